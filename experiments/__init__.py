@@ -1,0 +1,1 @@
+"""Experiments: thin absl mains over jaxdp (the library never imports this package)."""

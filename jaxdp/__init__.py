@@ -1,0 +1,39 @@
+"""jaxdp: differentially private training of language models in JAX."""
+
+from jaxdp import accounting
+from jaxdp import data
+from jaxdp import models
+from jaxdp import nn
+from jaxdp import reference
+from jaxdp import sampling
+from jaxdp.clipping import group_thresholds
+from jaxdp.fused_clip import FusedClipState
+from jaxdp.fused_clip import clipped_aggregate
+from jaxdp.fused_clip import fused_clip
+from jaxdp.norms import squared_norms
+from jaxdp.per_example import per_example_grads
+from jaxdp.terms import DenseTerm
+from jaxdp.terms import EmbedTerm
+from jaxdp.terms import FactoredGrad
+from jaxdp.terms import LinearTerm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DenseTerm",
+    "EmbedTerm",
+    "FactoredGrad",
+    "FusedClipState",
+    "LinearTerm",
+    "accounting",
+    "clipped_aggregate",
+    "data",
+    "fused_clip",
+    "group_thresholds",
+    "models",
+    "nn",
+    "per_example_grads",
+    "reference",
+    "sampling",
+    "squared_norms",
+]

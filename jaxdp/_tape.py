@@ -1,0 +1,118 @@
+"""The recording context behind `per_example_grads`.
+
+A DP layer calls `tap(layer, use, y, record, terms_fn)` on its output `y`.
+Outside `per_example_grads` this is the identity. Inside, two passes run:
+
+1. discover (under `jax.eval_shape`): every tap registers its key
+   `(layer path, use, call index)`, the shapes of `y` and `record`, and
+   `terms_fn`, which turns `(record, g)` into the layer's factored
+   per-example gradient terms.
+2. record (under `jax.vjp`): every tap goes through `_tap`, a `custom_vjp`
+   identity on `y` whose backward hands out, as the cotangents of two extra
+   zero inputs, the output gradient `g = dL/dy` and the recorded input
+   `record`. Both therefore come out of the ordinary backward pass, which
+   also makes the scheme exact under `jax.checkpoint` / `nnx.remat`: a
+   recomputed block recomputes `record` too, and nothing leaks out of a
+   transformed function as a side effect.
+
+Integer records (embedding ids) travel as float32; exact below 2**24.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+TermsFn = Callable[[jax.Array, jax.Array], dict[str, Any]]
+
+
+@jax.custom_vjp
+def _tap(y, record, g_slot, record_slot):
+    del g_slot, record_slot
+    return y
+
+
+def _tap_fwd(y, record, g_slot, record_slot):
+    del g_slot, record_slot
+    return y, record
+
+
+def _tap_bwd(record, g):
+    return g, jnp.zeros_like(record), g, record
+
+
+_tap.defvjp(_tap_fwd, _tap_bwd)
+
+
+@dataclasses.dataclass
+class Use:
+    """One call of a DP layer inside the traced forward pass."""
+
+    path: tuple[Any, ...]
+    terms_fn: TermsFn
+    y: jax.ShapeDtypeStruct
+    record: jax.ShapeDtypeStruct
+    record_dtype: Any
+
+
+class _Tape:
+    def __init__(self, mode: str, slots=None):
+        self.mode = mode
+        self.uses: dict[str, Use] = {}
+        self.slots = slots
+        self._counts: dict[tuple, int] = {}
+
+    def key(self, path, use) -> str:
+        n = self._counts.get((path, use), 0)
+        self._counts[(path, use)] = n + 1
+        return "/".join(map(str, path)) + f":{use}:{n}"
+
+    def tap(self, layer, use, y, record, terms_fn):
+        path = getattr(layer, "dp_path", None)
+        if path is None:
+            raise ValueError(
+                f"{type(layer).__name__} was called inside per_example_grads but is "
+                "not part of the model passed to it; DP layers must be attributes "
+                "(at any depth) of that model.")
+        key = self.key(path, use)
+        record_dtype = record.dtype
+        if jnp.issubdtype(record_dtype, jnp.integer):
+            record = record.astype(jnp.float32)
+        if self.mode == "discover":
+            self.uses[key] = Use(path, terms_fn,
+                                 jax.ShapeDtypeStruct(y.shape, y.dtype),
+                                 jax.ShapeDtypeStruct(record.shape, record.dtype),
+                                 record_dtype)
+            return y
+        g_slot, record_slot = self.slots[key]
+        return _tap(y, record, g_slot, record_slot)
+
+
+_state = threading.local()
+
+
+def current() -> _Tape | None:
+    return getattr(_state, "tape", None)
+
+
+@contextlib.contextmanager
+def recording(mode: str, slots=None):
+    previous = current()
+    _state.tape = _Tape(mode, slots)
+    try:
+        yield _state.tape
+    finally:
+        _state.tape = previous
+
+
+def tap(layer, use: str, y, record, terms_fn: TermsFn):
+    """Identity on `y`; inside `per_example_grads` it records this use."""
+    tape = current()
+    if tape is None:
+        return y
+    return tape.tap(layer, use, y, record, terms_fn)

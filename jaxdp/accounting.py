@@ -1,0 +1,523 @@
+"""Privacy accounting for DP-SGD with Poisson sampling (host-side, no jax).
+
+One training step of DP-SGD (Abadi et al. 2016, arXiv:1607.00133) is the
+Poisson-subsampled Gaussian mechanism: every example joins the batch
+independently with probability q, each example's contribution is clipped to
+L2 norm C, and Gaussian noise of standard deviation sigma * C is added to the
+clipped sum. `steps` steps are its `steps`-fold adaptive composition, the
+`dp_accounting` event
+
+    SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), steps)
+
+under add-or-remove-one adjacency. Two accountants turn it into (epsilon,
+delta):
+
+  "rdp"  Renyi DP (Mironov 2017, arXiv:1702.07476; for the sampled Gaussian,
+         Mironov, Talwar & Zhang 2019, arXiv:1908.10530). Fast (tens of ms,
+         independent of `steps`) and a valid upper bound, but looser: 13%
+         above PLD at sigma = 1.1, q = 0.01, 1000 steps; 75% above at
+         sigma = 0.8, q = 0.001, 1e4 steps.
+  "pld"  Privacy loss distributions (Koskela, Jalko & Honkela 2020,
+         arXiv:1906.03049; Doroshenko et al. 2022, arXiv:2207.04380). Nearly
+         tight; the discretisation is pessimistic, so the result is still an
+         upper bound. Cost grows as the interval shrinks and as sigma shrinks
+         (0.05 s to a few s per call here).
+
+The guarantee covers the released sequence of noisy sums (hence, by
+post-processing, the model) only if the batches really are Poisson samples
+(see `jaxdp.sampling`) and the noisy sum is divided by the expected batch size
+q * N, never by the realised batch size.
+
+Example::
+
+    sigma = calibrate_noise_multiplier(8.0, sampling_probability=0.01,
+                                       steps=10_000, delta=1e-5)
+    tracker = BudgetTracker(sigma, 0.01, 1e-5, target_epsilon=8.0)
+    while tracker.can_step():
+        ...                                    # one DP-SGD step
+        tracker.step()
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import dp_accounting
+from dp_accounting import pld, rdp
+
+ACCOUNTANTS = ("rdp", "pld")
+
+# PLD loss-grid spacing. 1e-4 is dp_accounting's own default; against 1e-5 it
+# agrees to 0.02% in every case we checked, while 1e-3 overstated epsilon by
+# 1.7% at q = 1e-3, 1e4 steps. 1e-3 is ~8x faster if that error is acceptable.
+DEFAULT_VALUE_DISCRETIZATION_INTERVAL = 1e-4
+
+# RDP orders: dense just above 1 (needed when epsilon is large), every tenth
+# up to 11, integers to 63, then powers of two up to 4096 (needed when epsilon
+# is small). Integer orders above ~1000 are exact but cost O(order) each;
+# fractional orders that large do not converge in dp_accounting.
+_RDP_ORDERS = (
+    tuple(1 + x / 100 for x in range(1, 10))
+    + tuple(1 + x / 10 for x in range(1, 100))
+    + tuple(range(11, 64))
+    + (128, 256, 512, 1024, 2048, 4096)
+)
+
+_MAX_SEARCH_STEPS = 200
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_delta(delta: float) -> float:
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in the open interval (0, 1), got {delta!r}")
+    return float(delta)
+
+
+def _check_noise_multiplier(noise_multiplier: float) -> float:
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(
+            f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
+    return float(noise_multiplier)
+
+
+def _check_sampling_probability(sampling_probability: float) -> float:
+    if not 0 < sampling_probability <= 1:
+        raise ValueError(
+            "sampling_probability must be in the half-open interval (0, 1], "
+            f"got {sampling_probability!r}")
+    return float(sampling_probability)
+
+
+def _check_count(name: str, value: int) -> int:
+    value = operator.index(value)  # TypeError for 2.5, not silent truncation.
+    if value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _check_target_epsilon(target_epsilon: float) -> float:
+    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+        raise ValueError(
+            f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+    return float(target_epsilon)
+
+
+def _check_accountant(accountant: str, value_discretization_interval: float) -> None:
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+    if not value_discretization_interval > 0:
+        raise ValueError(
+            "value_discretization_interval must be > 0, "
+            f"got {value_discretization_interval!r}")
+
+
+# ---------------------------------------------------------------- epsilon
+
+
+def _epsilon(sigma: float, q: float, steps: int, delta: float, accountant: str,
+             interval: float) -> float:
+    """epsilon() without validation, for the searches below."""
+    if steps == 0:
+        return 0.0
+    if sigma == 0:
+        return math.inf
+    if accountant == "rdp":
+        acc = rdp.RdpAccountant(_RDP_ORDERS)
+    else:
+        acc = pld.PLDAccountant(value_discretization_interval=interval)
+    acc.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)),
+        steps))
+    return float(acc.get_epsilon(delta))
+
+
+def _log_ratio(eps: float, target: float) -> float:
+    """log(eps / target), the function the searches below drive to 0."""
+    return math.log(eps / target) if eps > 0 else -math.inf
+
+
+def _falsi_point(x_lo: float, f_lo: float, x_hi: float, f_hi: float) -> float:
+    """Where the chord through (x_lo, f_lo), (x_hi, f_hi) crosses 0, if strictly
+    inside (x_lo, x_hi); else the midpoint."""
+    if math.isfinite(f_lo) and math.isfinite(f_hi) and f_lo != f_hi:
+        x = (x_lo * f_hi - x_hi * f_lo) / (f_hi - f_lo)
+        if x_lo < x < x_hi:
+            return x
+    return (x_lo + x_hi) / 2
+
+
+def epsilon(
+    noise_multiplier: float,
+    sampling_probability: float,
+    steps: int,
+    delta: float,
+    *,
+    accountant: str = "rdp",
+    value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+) -> float:
+    """Epsilon spent by `steps` steps of Poisson-sampled DP-SGD.
+
+    The mechanism is `steps` adaptive compositions of the Poisson-subsampled
+    Gaussian mechanism with noise standard deviation `noise_multiplier` times
+    the clipping norm, under add-or-remove-one adjacency. The returned epsilon
+    is an upper bound: the mechanism is (epsilon, delta)-DP.
+
+    Args:
+      noise_multiplier: sigma, noise standard deviation / clipping norm, >= 0.
+        0 means no noise: epsilon is `math.inf` (for steps >= 1).
+      sampling_probability: q = expected batch size / dataset size, in (0, 1].
+      steps: number of noisy steps taken, >= 0. 0 steps cost 0.0.
+      delta: target delta, in (0, 1); usually well below 1 / dataset size.
+      accountant: "rdp" (Mironov 2017, arXiv:1702.07476; fast, looser) or
+        "pld" (privacy loss distributions, arXiv:1906.03049 and
+        arXiv:2207.04380; tighter, slower).
+      value_discretization_interval: PLD only: spacing of the privacy-loss
+        grid. Smaller is tighter and slower; the default 1e-4 is within 0.02%
+        of 1e-5 in the regimes we checked.
+
+    Returns:
+      epsilon as a Python float (`math.inf` if sigma = 0).
+
+    References:
+      Abadi et al. 2016, Deep Learning with Differential Privacy,
+      arXiv:1607.00133. Mironov 2017, Renyi Differential Privacy,
+      arXiv:1702.07476. Koskela et al. 2020, Computing Tight Differential
+      Privacy Guarantees Using FFT, arXiv:1906.03049. Doroshenko et al. 2022,
+      Connect the Dots: Tighter Discrete Approximations of Privacy Loss
+      Distributions, arXiv:2207.04380.
+
+    Example::
+
+      >>> round(epsilon(1.1, 0.01, 1000, 1e-5), 3)
+      1.712
+      >>> round(epsilon(1.1, 0.01, 1000, 1e-5, accountant="pld"), 3)
+      1.515
+    """
+    sigma = _check_noise_multiplier(noise_multiplier)
+    q = _check_sampling_probability(sampling_probability)
+    steps = _check_count("steps", steps)
+    delta = _check_delta(delta)
+    _check_accountant(accountant, value_discretization_interval)
+    return _epsilon(sigma, q, steps, delta, accountant, value_discretization_interval)
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    sampling_probability: float,
+    steps: int,
+    delta: float,
+    *,
+    accountant: str = "rdp",
+    rtol: float = 1e-3,
+    value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+) -> float:
+    """The smallest noise multiplier whose epsilon is at most `target_epsilon`.
+
+    Brackets sigma by doubling or halving from 1, then shrinks the bracket
+    (regula falsi in log-log space, a bisection that picks its split point by
+    interpolation). The invariant is epsilon(hi) <= target < epsilon(lo), so
+    the returned sigma never exceeds the budget; the search stops once
+    epsilon(sigma) >= (1 - rtol) * target_epsilon. (If the accountant's
+    epsilon is too coarse in sigma to reach that band, it stops when the
+    bracket reaches float resolution and still returns a sigma within budget.)
+
+    Args:
+      target_epsilon: privacy budget for the whole run, > 0.
+      sampling_probability: q, in (0, 1].
+      steps: number of steps the run will take, >= 0. 0 steps return 0.0.
+      delta: target delta, in (0, 1).
+      accountant: "rdp" or "pld", as in `epsilon`.
+      rtol: relative tolerance on epsilon, in (0, 1).
+      value_discretization_interval: PLD only, as in `epsilon`.
+
+    Returns:
+      sigma with (1 - rtol) * target_epsilon <= epsilon(sigma) <= target_epsilon.
+
+    Example::
+
+      >>> sigma = calibrate_noise_multiplier(2.0, 0.01, 1000, 1e-5)
+      >>> 0.998 * 2.0 <= epsilon(sigma, 0.01, 1000, 1e-5) <= 2.0
+      True
+    """
+    target = _check_target_epsilon(target_epsilon)
+    q = _check_sampling_probability(sampling_probability)
+    steps = _check_count("steps", steps)
+    delta = _check_delta(delta)
+    _check_accountant(accountant, value_discretization_interval)
+    if not 0 < rtol < 1:
+        raise ValueError(f"rtol must be in the open interval (0, 1), got {rtol!r}")
+    if steps == 0:
+        return 0.0
+
+    def eps(sigma: float) -> float:
+        return _epsilon(sigma, q, steps, delta, accountant, value_discretization_interval)
+
+    # Bracket: eps(lo) > target >= eps(hi). eps -> inf as sigma -> 0 and
+    # eps -> 0 as sigma -> inf, so both loops end.
+    hi, eps_hi = 1.0, eps(1.0)
+    if eps_hi > target:
+        while eps_hi > target:
+            lo, eps_lo = hi, eps_hi
+            hi, eps_hi = 2 * hi, eps(2 * hi)
+    else:
+        lo, eps_lo = hi / 2, eps(hi / 2)
+        while eps_lo <= target:
+            hi, eps_hi = lo, eps_lo
+            lo, eps_lo = lo / 2, eps(lo / 2)
+
+    # Shrink the bracket by regula falsi (Illinois variant) on
+    # f(log sigma) = log(eps / target): eps is close to a power law in sigma, so
+    # f is nearly linear and this takes ~5 evaluations where plain bisection
+    # takes ~12. It keeps the bracket exactly as bisection does, and bisects
+    # whenever two tries failed to halve it.
+    f_lo, f_hi = _log_ratio(eps_lo, target), _log_ratio(eps_hi, target)
+    last_moved, widths = None, [math.log(hi / lo)]
+    for _ in range(_MAX_SEARCH_STEPS):
+        if eps_hi >= (1 - rtol) * target:
+            break
+        x_lo, x_hi = math.log(lo), math.log(hi)
+        if len(widths) >= 3 and widths[-1] > widths[-3] / 2:
+            x = (x_lo + x_hi) / 2
+        else:
+            x = _falsi_point(x_lo, f_lo, x_hi, f_hi)
+        if not x_lo < x < x_hi:
+            break  # Bracket at float resolution.
+        sigma = math.exp(x)
+        eps_sigma = eps(sigma)
+        if eps_sigma > target:
+            lo, f_lo = sigma, _log_ratio(eps_sigma, target)
+            f_hi = f_hi / 2 if last_moved == "lo" else f_hi
+            last_moved = "lo"
+        else:
+            hi, eps_hi, f_hi = sigma, eps_sigma, _log_ratio(eps_sigma, target)
+            f_lo = f_lo / 2 if last_moved == "hi" else f_lo
+            last_moved = "hi"
+        widths.append(math.log(hi / lo))
+    return hi
+
+
+def steps_for_epsilon(
+    target_epsilon: float,
+    noise_multiplier: float,
+    sampling_probability: float,
+    delta: float,
+    *,
+    accountant: str = "rdp",
+    max_steps: int = 10**7,
+    value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+) -> int:
+    """The largest number of steps whose epsilon is at most `target_epsilon`.
+
+    A growing search from 1 step brackets the answer, then a bracketing
+    search (regula falsi in log-log space, falling back to bisection) narrows
+    it to adjacent integers, so the answer k satisfies
+    epsilon(k) <= target_epsilon < epsilon(k + 1) exactly for the accountant
+    used, unless it is capped at `max_steps`. ~10 accountant calls.
+
+    Args:
+      target_epsilon: privacy budget, > 0.
+      noise_multiplier: sigma, >= 0 (0 allows no step).
+      sampling_probability: q, in (0, 1].
+      delta: target delta, in (0, 1).
+      accountant: "rdp" or "pld", as in `epsilon`.
+      max_steps: cap on the answer, >= 0.
+      value_discretization_interval: PLD only, as in `epsilon`.
+
+    Returns:
+      The number of steps, an int in [0, max_steps].
+
+    Example::
+
+      >>> steps_for_epsilon(2.0, 1.1, 0.01, 1e-5)
+      1404
+    """
+    target = _check_target_epsilon(target_epsilon)
+    sigma = _check_noise_multiplier(noise_multiplier)
+    q = _check_sampling_probability(sampling_probability)
+    delta = _check_delta(delta)
+    _check_accountant(accountant, value_discretization_interval)
+    max_steps = _check_count("max_steps", max_steps)
+
+    def f(steps: int) -> float:  # log(epsilon / target): <= 0 iff within budget.
+        return _log_ratio(_epsilon(sigma, q, steps, delta, accountant,
+                                   value_discretization_interval), target)
+
+    if max_steps == 0 or (f_lo := f(1)) > 0:
+        return 0
+    # Bracket: f(lo) <= 0 < f(hi). epsilon grows roughly like steps**a with a
+    # between ~0.3 and 1, so extrapolate log(eps) linearly in log(steps), 10%
+    # past the crossing, growing 2x to 1000x per try.
+    lo, prev = 1, None
+    while True:
+        guess = 2 * lo
+        if prev is not None:
+            slope = (f_lo - prev[1]) / math.log(lo / prev[0])
+            if slope > 0 and math.isfinite(f_lo):
+                guess = math.ceil(1.1 * lo * math.exp(min(-f_lo / slope, 10.0)))
+        hi = min(max_steps, max(2 * lo, min(1000 * lo, guess)))
+        f_hi = f(hi)
+        if f_hi > 0:
+            break
+        if hi == max_steps:
+            return max_steps
+        prev, lo, f_lo = (lo, f_lo), hi, f_hi
+    # Shrink to adjacent integers by regula falsi in log-log space (Illinois),
+    # bisecting whenever two tries failed to halve the bracket.
+    last_moved, widths = None, [hi - lo]
+    while hi - lo > 1:
+        x_lo, x_hi = math.log(lo), math.log(hi)
+        if len(widths) >= 3 and widths[-1] > widths[-3] / 2:
+            x = (x_lo + x_hi) / 2
+        else:
+            x = _falsi_point(x_lo, f_lo, x_hi, f_hi)
+        mid = min(hi - 1, max(lo + 1, round(math.exp(x))))
+        f_mid = f(mid)
+        if f_mid <= 0:
+            lo, f_lo = mid, f_mid
+            f_hi = f_hi / 2 if last_moved == "lo" else f_hi
+            last_moved = "lo"
+        else:
+            hi, f_hi = mid, f_mid
+            f_lo = f_lo / 2 if last_moved == "hi" else f_lo
+            last_moved = "hi"
+        widths.append(hi - lo)
+    return lo
+
+
+# ---------------------------------------------------------------- tracker
+
+
+class BudgetTracker:
+    """Counts DP-SGD steps and refuses the step that would exceed the budget.
+
+    The tracker holds no RNG or accountant state: the privacy spent is a
+    function of (noise_multiplier, sampling_probability, delta, steps), so
+    `state_dict()` is a small JSON-serialisable dict and a restored tracker
+    reports exactly the same epsilon.
+
+    With a `target_epsilon`, the step budget `max_steps` =
+    `steps_for_epsilon(target_epsilon, ...)` is computed once, on the first
+    `can_step` / `step` (epsilon is nondecreasing in steps, so "steps + n <=
+    max_steps" is "epsilon(steps + n) <= target"); after that both are O(1),
+    so calling them every training step costs nothing even with PLD.
+
+    Args:
+      noise_multiplier: sigma used at every step, >= 0.
+      sampling_probability: q, in (0, 1].
+      delta: target delta, in (0, 1).
+      target_epsilon: budget, > 0, or None for no limit (tracking only).
+      accountant: "rdp" or "pld", as in `epsilon`.
+      value_discretization_interval: PLD only, as in `epsilon`.
+
+    Example::
+
+      >>> tracker = BudgetTracker(1.1, 0.01, 1e-5, target_epsilon=2.0)
+      >>> tracker.step(1000)
+      >>> round(tracker.epsilon(), 3), tracker.can_step(600)
+      (1.712, False)
+      >>> restored = BudgetTracker.from_state_dict(tracker.state_dict())
+      >>> restored.steps, restored.epsilon() == tracker.epsilon()
+      (1000, True)
+    """
+
+    # Cap for the step budget; far beyond any real run.
+    _BUDGET_SEARCH_LIMIT = 2**40
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        sampling_probability: float,
+        delta: float,
+        *,
+        target_epsilon: float | None = None,
+        accountant: str = "rdp",
+        value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+    ):
+        self.noise_multiplier = _check_noise_multiplier(noise_multiplier)
+        self.sampling_probability = _check_sampling_probability(sampling_probability)
+        self.delta = _check_delta(delta)
+        self.target_epsilon = (None if target_epsilon is None
+                               else _check_target_epsilon(target_epsilon))
+        _check_accountant(accountant, value_discretization_interval)
+        self.accountant = accountant
+        self.value_discretization_interval = float(value_discretization_interval)
+        self._steps = 0
+        self._epsilon_cache: tuple[int, float] | None = None  # (steps, epsilon)
+        self._max_steps: int | None = None
+
+    @property
+    def steps(self) -> int:
+        """Steps taken so far."""
+        return self._steps
+
+    @property
+    def max_steps(self) -> int | None:
+        """Total steps the budget allows (None without a target_epsilon)."""
+        if self.target_epsilon is None:
+            return None
+        if self._max_steps is None:
+            self._max_steps = steps_for_epsilon(
+                self.target_epsilon, self.noise_multiplier, self.sampling_probability,
+                self.delta, accountant=self.accountant,
+                max_steps=self._BUDGET_SEARCH_LIMIT,
+                value_discretization_interval=self.value_discretization_interval)
+        return self._max_steps
+
+    def epsilon(self) -> float:
+        """Epsilon spent by the steps taken so far (cached per step count)."""
+        if self._epsilon_cache is None or self._epsilon_cache[0] != self._steps:
+            self._epsilon_cache = (self._steps, self._epsilon_at(self._steps))
+        return self._epsilon_cache[1]
+
+    def can_step(self, n: int = 1) -> bool:
+        """Whether `n` more steps keep epsilon <= target_epsilon."""
+        n = _check_count("n", n)
+        return self.target_epsilon is None or self._steps + n <= self.max_steps
+
+    def step(self, n: int = 1) -> None:
+        """Records `n` steps; raises RuntimeError if they would exceed the budget."""
+        if not self.can_step(n):
+            raise RuntimeError(
+                f"privacy budget exhausted: {n} more step(s) after {self._steps} would "
+                f"spend epsilon = {self._epsilon_at(self._steps + n):.4g} > "
+                f"target_epsilon = {self.target_epsilon:g} at delta = {self.delta:g} "
+                f"({self.accountant} accountant; the budget allows {self.max_steps} "
+                "steps in total). Stop training here.")
+        self._steps += n
+
+    def state_dict(self) -> dict[str, Any]:
+        """The constructor arguments and the step count, JSON-serialisable."""
+        return {
+            "noise_multiplier": self.noise_multiplier,
+            "sampling_probability": self.sampling_probability,
+            "delta": self.delta,
+            "target_epsilon": self.target_epsilon,
+            "accountant": self.accountant,
+            "value_discretization_interval": self.value_discretization_interval,
+            "steps": self._steps,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> BudgetTracker:
+        """Rebuilds a tracker from `state_dict()` output."""
+        tracker = cls(
+            state["noise_multiplier"], state["sampling_probability"], state["delta"],
+            target_epsilon=state["target_epsilon"], accountant=state["accountant"],
+            value_discretization_interval=state.get(
+                "value_discretization_interval", DEFAULT_VALUE_DISCRETIZATION_INTERVAL))
+        tracker._steps = _check_count("steps", state["steps"])
+        return tracker
+
+    def _epsilon_at(self, steps: int) -> float:
+        return _epsilon(self.noise_multiplier, self.sampling_probability, steps,
+                        self.delta, self.accountant, self.value_discretization_interval)
+
+    def __repr__(self) -> str:
+        return (f"BudgetTracker(noise_multiplier={self.noise_multiplier}, "
+                f"sampling_probability={self.sampling_probability}, delta={self.delta}, "
+                f"target_epsilon={self.target_epsilon}, accountant={self.accountant!r}, "
+                f"steps={self._steps})")

@@ -1,0 +1,93 @@
+"""Clipping: groups, thresholds, clip factors and clipped sums.
+
+A parameter belongs to one clipping group. Group thresholds C_g satisfy
+sum_g C_g^2 = C^2 (by default C_g = C / sqrt(G)), so example b's clipped
+contribution has L2 norm at most C whatever the grouping, and the noise
+sigma * C calibrates the same privacy for every style.
+
+Clip functions (n = the example's norm within the group):
+  "abadi"      c = min(1, C_g / n)                 (Abadi et al. 2016)
+  "automatic"  c = C_g / (n + gamma)               (Bu et al. 2023, arXiv:2206.07136)
+An example with any non-finite group norm contributes zero to every group.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from jaxdp.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm
+
+CLIPPINGS = ("flat", "per_layer")
+CLIP_FNS = ("abadi", "automatic")
+Path = tuple
+Grouping = str | Callable[[Path], Hashable]
+
+
+def check_clipping(clipping) -> None:
+    if not (callable(clipping) or clipping in CLIPPINGS):
+        raise ValueError(
+            f"clipping must be one of {CLIPPINGS} or a callable mapping a parameter path "
+            f"to a group key, got {clipping!r}")
+
+
+def check_clip_fn(clip_fn) -> None:
+    if clip_fn not in CLIP_FNS:
+        raise ValueError(f"clip_fn must be one of {CLIP_FNS}, got {clip_fn!r}")
+
+
+def group_of(path: Path, clipping: Grouping) -> Hashable:
+    """The clipping group of a parameter. per_layer: the owning module's path."""
+    if clipping == "flat":
+        return "all"
+    if clipping == "per_layer":
+        return tuple(path[:-1])
+    return clipping(tuple(path))
+
+
+def group_thresholds(groups, l2_norm_clip: float,
+                     group_weights: Mapping[Hashable, float] | None = None) -> dict:
+    """C_g = C * sqrt(w_g / sum w); equal weights by default, so C_g = C / sqrt(G)."""
+    groups = list(dict.fromkeys(groups))
+    weights = {g: 1.0 for g in groups} if group_weights is None else {g: float(group_weights[g]) for g in groups}
+    if any(w <= 0 for w in weights.values()):
+        raise ValueError(f"group_weights must be positive, got {weights}")
+    total = sum(weights.values())
+    return {g: l2_norm_clip * (weights[g] / total) ** 0.5 for g in groups}
+
+
+def clip_factors(norms_B: jax.Array, threshold: float, clip_fn: str, gamma: float) -> jax.Array:
+    """Per-example clip factors for one group's norms."""
+    if clip_fn == "abadi":
+        return jnp.minimum(1.0, threshold / norms_B)
+    return threshold / (norms_B + gamma)
+
+
+def clipped_sum(grad: FactoredGrad, c_B: jax.Array, keep_B: jax.Array) -> jax.Array:
+    """sum_b c_b G_b of one parameter; examples with keep_B False contribute exact zeros.
+
+    A linear term is one GEMM x^T diag(c) g with K = B*T; an embedding term
+    one scatter-add of the scaled rows.
+    """
+    total = None
+    for term in grad.terms:
+        if isinstance(term, LinearTerm):
+            dt = jnp.promote_types(jnp.result_type(term.x_BTP, term.g_BTD), c_B.dtype)
+            x = jnp.where(keep_B[:, None, None], term.x_BTP, 0)
+            g = jnp.where(keep_B[:, None, None], term.g_BTD.astype(dt) * c_B[:, None, None].astype(dt), 0)
+            part = jnp.einsum("btp,btd->pd", x.astype(dt), g)
+        elif isinstance(term, EmbedTerm):
+            dt = jnp.promote_types(term.g_BTD.dtype, c_B.dtype)
+            g = jnp.where(keep_B[:, None, None], term.g_BTD.astype(dt) * c_B[:, None, None].astype(dt), 0)
+            part = jnp.zeros(term.shape, dt).at[term.ids_BT.reshape(-1)].add(g.reshape(-1, g.shape[-1]))
+        elif isinstance(term, DenseTerm):
+            dt = jnp.promote_types(term.value_B.dtype, c_B.dtype)
+            keep = keep_B.reshape((-1,) + (1,) * (term.value_B.ndim - 1))
+            v = jnp.where(keep, term.value_B.astype(dt), 0)
+            part = jnp.tensordot(jnp.where(keep_B, c_B, 0).astype(dt), v, axes=1)
+        else:
+            raise TypeError(f"unknown term type {type(term).__name__}")
+        total = part if total is None else total + part
+    return total

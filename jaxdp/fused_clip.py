@@ -1,0 +1,186 @@
+"""`fused_clip`: per-example clipping, aggregation and Gaussian noise as one optax transform."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxdp import clipping as clipping_lib
+from jaxdp import norms as norms_lib
+from jaxdp.terms import as_factored, is_factored
+
+
+class FusedClipState(NamedTuple):
+    """State of `fused_clip`."""
+    noise_key: jax.Array   # split once per logical batch, when noise is drawn
+    micro_step: jax.Array  # int32 in [0, accumulation_steps)
+    accumulated: Any       # clipped sums of this logical batch so far (None without accumulation)
+
+
+def _path_keys(keypath) -> tuple:
+    keys = []
+    for k in keypath:
+        if isinstance(k, jax.tree_util.DictKey):
+            keys.append(k.key)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            keys.append(k.idx)
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            if k.name != "value":  # an nnx.Variable's own value slot
+                keys.append(k.name)
+        else:
+            keys.append(getattr(k, "key", k))
+    return tuple(keys)
+
+
+def flatten_grads(grads):
+    """(paths, FactoredGrads, treedef) of a tree of FactoredGrads or per-example arrays."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_factored)
+    paths = [_path_keys(kp) for kp, _ in with_path]
+    return paths, [as_factored(leaf) for _, leaf in with_path], treedef
+
+
+def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: str = "abadi",
+                      gamma: float = 0.01, strategy: str = "auto",
+                      group_weights: Mapping[Hashable, float] | None = None,
+                      chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE,
+                      memory_budget_bytes: int = norms_lib.DEFAULT_MEMORY_BUDGET_BYTES):
+    """Sum over examples of clipped per-example gradients, and per-group norms.
+
+    Returns `(sums, group_norms)`: `sums` has the tree structure of `grads`
+    with parameter-shaped leaves; `group_norms` maps each group to its
+    per-example norms (B,).
+    """
+    paths, factored, treedef = flatten_grads(grads)
+    groups = [clipping_lib.group_of(p, clipping) for p in paths]
+    thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
+    sq_by_group: dict = {}
+    for grad, group in zip(factored, groups):
+        sq = norms_lib.squared_norms(grad, strategy, chunk_size=chunk_size,
+                                     memory_budget_bytes=memory_budget_bytes)
+        sq_by_group[group] = sq if group not in sq_by_group else sq_by_group[group] + sq
+    norms = {g: jnp.sqrt(sq) for g, sq in sq_by_group.items()}
+    keep_B = jnp.all(jnp.stack([jnp.isfinite(n) for n in norms.values()]), axis=0)
+    factors = {g: jnp.where(keep_B, clipping_lib.clip_factors(n, thresholds[g], clip_fn, gamma), 0)
+               for g, n in norms.items()}
+    sums = [clipping_lib.clipped_sum(grad, factors[group], keep_B) for grad, group in zip(factored, groups)]
+    return jax.tree.unflatten(treedef, sums), norms
+
+
+def _check_positive(name, value, allow_zero=False):
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_size: float,
+               seed: int = 0, clipping="flat", clip_fn: str = "abadi", strategy: str = "auto",
+               accumulation_steps: int = 1, gamma: float = 0.01,
+               group_weights: Mapping[Hashable, float] | None = None,
+               chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE,
+               memory_budget_bytes: int = norms_lib.DEFAULT_MEMORY_BUDGET_BYTES,
+               ) -> optax.GradientTransformation:
+    """DP-SGD aggregation: clip per example, sum, add Gaussian noise once per logical batch.
+
+    `update(grads, state, params=None)` takes per-example gradients, either the
+    `FactoredGrad`s of `jaxdp.per_example_grads` or plain arrays with a
+    leading batch axis (as optax's `differentially_private_aggregate`), and
+    returns parameter-shaped updates
+
+        (sum_b clip(G_b) + N(0, sigma^2 C^2 I)) / expected_batch_size
+
+    on the last micro-step of each logical batch, and zeros on the others.
+
+    Formal guarantee: with Poisson sampling at rate q = expected_batch_size / N,
+    each example's total contribution to the sum has L2 norm <= C for every
+    `clipping` (group thresholds satisfy sum C_g^2 = C^2), so each logical
+    batch is the subsampled Gaussian mechanism with noise multiplier sigma;
+    `jaxdp.accounting` turns (sigma, q, steps, delta) into epsilon. Dividing by
+    the EXPECTED batch size (not the realised count) is what keeps that true.
+
+    Edge cases: C <= 0 and sigma < 0 are errors; an example whose norm is
+    non-finite contributes exactly zero (never NaN); an empty or fully masked
+    batch gives pure noise / expected_batch_size.
+
+    Args:
+      l2_norm_clip: C, the bound on each example's contribution.
+      noise_multiplier: sigma; noise std is sigma * C. 0 disables noise (no privacy).
+      expected_batch_size: q * N, the divisor of the noised sum.
+      seed: seed of the noise PRNG key kept in the state.
+      clipping: "flat" (one group), "per_layer" (a group per module: a
+        parameter's path without its own name), or a callable path -> group key.
+      clip_fn: "abadi" (min(1, C_g/n)) or "automatic" (C_g / (n + gamma)).
+      strategy: per-example norm method: "ghost", "instantiate" or "auto"
+        (per layer, from the FLOP / memory cost model in `jaxdp.norms`).
+      accumulation_steps: micro-batches per logical batch; clipped sums are
+        accumulated and noise is added once, on the last. To keep the
+        optimizer still on the other micro-steps, wrap it:
+        `optax.MultiSteps(opt, accumulation_steps, use_grad_mean=False)`.
+      gamma: stability constant of automatic clipping.
+      group_weights: optional relative weights w_g: C_g = C sqrt(w_g / sum w).
+      chunk_size: examples processed at once by the norm computation.
+      memory_budget_bytes: scratch budget per layer for `strategy="auto"`.
+
+    Returns:
+      An `optax.GradientTransformation`.
+
+    References:
+      Abadi et al. 2016, Deep Learning with Differential Privacy, arXiv:1607.00133.
+      Li et al. 2022 (ghost norms for sequences), arXiv:2110.05679.
+      Bu et al. 2023, Automatic Clipping, arXiv:2206.07136.
+
+    Example:
+      >>> tx = optax.chain(
+      ...     jaxdp.fused_clip(1.0, 0.9, expected_batch_size=512),
+      ...     optax.adamw(3e-4))
+    """
+    _check_positive("l2_norm_clip", l2_norm_clip)
+    _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
+    _check_positive("expected_batch_size", expected_batch_size)
+    _check_positive("gamma", gamma)
+    _check_positive("chunk_size", chunk_size)
+    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
+    clipping_lib.check_clipping(clipping)
+    clipping_lib.check_clip_fn(clip_fn)
+    norms_lib.check_strategy(strategy)
+    noise_std = noise_multiplier * l2_norm_clip
+
+    def init_fn(params):
+        accumulated = None
+        if accumulation_steps > 1:
+            accumulated = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        return FusedClipState(jax.random.key(seed), jnp.zeros((), jnp.int32), accumulated)
+
+    def update_fn(grads, state, params=None):
+        del params
+        sums, _ = clipped_aggregate(
+            grads, l2_norm_clip, clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,
+            group_weights=group_weights, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes)
+        if state.accumulated is not None:
+            sums = jax.tree.map(lambda a, s: a + s.astype(a.dtype), state.accumulated, sums)
+        is_last = state.micro_step == accumulation_steps - 1
+
+        def emit(sums, key):
+            key, noise_key = jax.random.split(key)
+            leaves, treedef = jax.tree.flatten(sums)
+            if noise_std > 0:
+                keys = jax.random.split(noise_key, len(leaves))
+                leaves = [s + noise_std * jax.random.normal(k, s.shape, s.dtype) for s, k in zip(leaves, keys)]
+            updates = jax.tree.unflatten(treedef, [s / expected_batch_size for s in leaves])
+            return updates, key, jax.tree.map(jnp.zeros_like, sums)
+
+        def hold(sums, key):
+            return jax.tree.map(jnp.zeros_like, sums), key, sums
+
+        if accumulation_steps == 1:
+            updates, key, _ = emit(sums, state.noise_key)
+            return updates, FusedClipState(key, state.micro_step, None)
+        updates, key, accumulated = jax.lax.cond(is_last, emit, hold, sums, state.noise_key)
+        micro_step = (state.micro_step + 1) % accumulation_steps
+        return updates, FusedClipState(key, micro_step, accumulated)
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,1 @@
+"""Language models built from `jaxdp.nn` layers."""

@@ -1,0 +1,135 @@
+"""GPT-2 (Radford et al. 2019) from jaxdp layers.
+
+Tied token embedding / output head, learned positions, pre-LayerNorm blocks,
+GELU MLP, causal attention through `jax.nn.dot_product_attention`. Parameters
+are float32; `dtype="bfloat16"` computes in bf16. Every parameter has a
+per-example gradient rule, so `jaxdp.per_example_grads` needs no fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdp import nn
+
+PRESETS = {
+    # name: (n_layer, n_head, d_model)
+    "tiny": (2, 2, 64),
+    "small": (12, 12, 768),     # 124M
+    "medium": (24, 16, 1024),   # 350M
+    "large": (36, 20, 1280),    # 774M
+    "xl": (48, 25, 1600),       # 1.5B
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int = 50257
+    seq_len: int = 1024          # maximum sequence length (learned positions)
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    mlp_ratio: int = 4
+    layer_norm_epsilon: float = 1e-5
+    dtype: str = "float32"       # compute dtype: "float32" | "bfloat16"; parameters stay float32
+    remat: bool = False          # nnx.remat every transformer block
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPT2Config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"GPT2Config.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.dtype not in ("float32", "bfloat16", "float64"):
+            raise ValueError(f"GPT2Config.dtype must be 'float32', 'bfloat16' or 'float64', got {self.dtype!r}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GPT2Config":
+        """`GPT2Config.preset("small", seq_len=512)`; names: tiny, small, medium, large, xl."""
+        if name not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
+        n_layer, n_head, d_model = PRESETS[name]
+        if name == "tiny":
+            overrides = dict(dict(vocab_size=256, seq_len=64), **overrides)
+        return cls(n_layer=n_layer, n_head=n_head, d_model=d_model, **overrides)
+
+    @property
+    def num_params(self) -> int:
+        d, L = self.d_model, self.n_layer
+        block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + 2 * (d * self.mlp_ratio * d) + self.mlp_ratio * d + d
+        return self.vocab_size * d + self.seq_len * d + L * block + 2 * d
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
+        d, dtype = config.d_model, jnp.dtype(config.dtype)
+        proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * config.n_layer))
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(d, 3 * d, dtype=dtype, rngs=rngs)
+        self.c_proj = nn.Linear(d, d, dtype=dtype, kernel_init=proj_init, rngs=rngs)
+
+    def __call__(self, x_BTD):
+        B, T, D = x_BTD.shape
+        H = D // self.n_head
+        q, k, v = jnp.split(self.c_attn(x_BTD), 3, axis=-1)
+        q, k, v = (a.reshape(B, T, self.n_head, H) for a in (q, k, v))
+        y_BTNH = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y_BTNH.reshape(B, T, D))
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
+        d, dtype = config.d_model, jnp.dtype(config.dtype)
+        proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * config.n_layer))
+        self.c_fc = nn.Linear(d, config.mlp_ratio * d, dtype=dtype, rngs=rngs)
+        self.c_proj = nn.Linear(config.mlp_ratio * d, d, dtype=dtype, kernel_init=proj_init, rngs=rngs)
+
+    def __call__(self, x_BTD):
+        return self.c_proj(jax.nn.gelu(self.c_fc(x_BTD), approximate=True))
+
+
+class Block(nnx.Module):
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        self.ln_1 = nn.LayerNorm(config.d_model, epsilon=config.layer_norm_epsilon, dtype=dtype)
+        self.attn = Attention(config, rngs=rngs)
+        self.ln_2 = nn.LayerNorm(config.d_model, epsilon=config.layer_norm_epsilon, dtype=dtype)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x_BTD):
+        x_BTD = x_BTD + self.attn(self.ln_1(x_BTD))
+        return x_BTD + self.mlp(self.ln_2(x_BTD))
+
+
+def _apply_block(block, x_BTD):
+    return block(x_BTD)
+
+
+class GPT2(nnx.Module):
+    """`GPT2(config, rngs=nnx.Rngs(seed))(tokens_BT) -> logits_BTV` (float32 logits)."""
+
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        self.config = config
+        self.wte = nn.Embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs)
+        self.wpe = nn.Embed(config.seq_len, config.d_model, dtype=dtype,
+                            embedding_init=nnx.initializers.normal(0.01), rngs=rngs)
+        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.d_model, epsilon=config.layer_norm_epsilon, dtype=dtype)
+
+    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        B, T = tokens_BT.shape
+        if T > self.config.seq_len:
+            raise ValueError(f"sequence length {T} exceeds GPT2Config.seq_len={self.config.seq_len}")
+        positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        x_BTD = self.wte(tokens_BT) + self.wpe(positions_BT)
+        apply = nnx.remat(_apply_block) if self.config.remat else _apply_block
+        for block in self.blocks:
+            x_BTD = apply(block, x_BTD)
+        logits_BTV = self.wte.attend(self.ln_f(x_BTD))
+        return logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))

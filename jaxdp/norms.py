@@ -1,0 +1,230 @@
+"""Per-example squared norms of factored gradients, without vmap over the model.
+
+The squared norm of a parameter's per-example gradient G_b = sum_i T_i[b]
+(one term per use) is sum_{i,j} <T_i[b], T_j[b]>. Each pair has an exact rule:
+
+  Linear . Linear   ghost:        sum_{t,s} (x x'^T)[t,s] (g g'^T)[t,s]   2T^2(P+D) FLOPs
+                    instantiate:  <x^T g, x'^T g'>                        2TPD FLOPs (x2 if i != j)
+  Embed  . Embed    ghost:        sum_{t,s} [id_t = id'_s] <g_t, g'_s>   2T^2 D
+                    instantiate:  rows of G summed by id (sort + segment_sum), |.|^2; self pairs only
+  Linear . Embed    ghost:        sum_{t,s} x[t, id_s] <g_t, g'_s>       2T^2 D (tied head x embedding)
+                    instantiate:  <(x^T g)[ids], g'>                      2TPD
+  Dense  . any      <V, other>:   contract V with the other's factors    no instantiation
+
+Work runs over chunks of `chunk_size` examples at a time (`jax.lax.map`), so
+an instantiated gradient never exceeds `chunk_size` x parameter size and a
+Gram matrix never exceeds `chunk_size` x T^2.
+
+`strategy="auto"` picks ghost or instantiate per pair from `pair_cost`: the
+fewer FLOPs among the choices whose scratch memory fits `memory_budget_bytes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxdp.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm, Term
+
+STRATEGIES = ("ghost", "instantiate", "auto")
+DEFAULT_CHUNK_SIZE = 8
+DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
+
+
+def check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+def _acc(*arrays):
+    return jnp.promote_types(jnp.result_type(*arrays), jnp.float32)
+
+
+def _f(a, dtype):
+    return a.astype(dtype)
+
+
+# Per-example pair rules: arguments have no batch axis.
+
+def _linear_ghost(x, g, x2, g2):
+    dt = _acc(x, g, x2, g2)
+    gram_x = jnp.einsum("tp,sp->ts", _f(x, dt), _f(x2, dt))
+    gram_g = jnp.einsum("td,sd->ts", _f(g, dt), _f(g2, dt))
+    return jnp.sum(gram_x * gram_g)
+
+
+def _linear_instantiate(x, g, x2, g2):
+    dt = _acc(x, g, x2, g2)
+    G = jnp.einsum("tp,td->pd", _f(x, dt), _f(g, dt))
+    if x2 is x and g2 is g:
+        return jnp.sum(G * G)
+    G2 = jnp.einsum("tp,td->pd", _f(x2, dt), _f(g2, dt))
+    return jnp.sum(G * G2)
+
+
+def _embed_ghost(ids, g, ids2, g2):
+    dt = _acc(g, g2)
+    gram_g = jnp.einsum("td,sd->ts", _f(g, dt), _f(g2, dt))
+    return jnp.sum(jnp.where(ids[:, None] == ids2[None, :], gram_g, 0))
+
+
+def _embed_instantiate(ids, g):
+    # The per-example gradient has at most T non-zero rows: sum g by id, then square.
+    dt = _acc(g)
+    order = jnp.argsort(ids)
+    ids_sorted = ids[order]
+    segment = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                          (ids_sorted[1:] != ids_sorted[:-1]).astype(jnp.int32)]))
+    rows = jax.ops.segment_sum(_f(g, dt)[order], segment, num_segments=ids.shape[0])
+    return jnp.sum(rows * rows)
+
+
+def _linear_embed_ghost(x, g, ids, g2):
+    dt = _acc(x, g, g2)
+    x_at_ids = jnp.take(_f(x, dt), ids, axis=1)                # (T, S): x[t, id_s]
+    gram_g = jnp.einsum("td,sd->ts", _f(g, dt), _f(g2, dt))
+    return jnp.sum(x_at_ids * gram_g)
+
+
+def _linear_embed_instantiate(x, g, ids, g2):
+    dt = _acc(x, g, g2)
+    G = jnp.einsum("tp,td->pd", _f(x, dt), _f(g, dt))
+    return jnp.sum(G[ids] * _f(g2, dt))
+
+
+def _dense_with(value, term_arrays, kind, num_embeddings=None):
+    dt = _acc(value, *term_arrays)
+    value = _f(value, dt)
+    if kind == "dense":
+        (other,) = term_arrays
+        return jnp.sum(value * _f(other, dt))
+    if kind == "linear":
+        x, g = term_arrays
+        return jnp.einsum("tp,pd,td->", _f(x, dt), value, _f(g, dt))
+    ids, g = term_arrays
+    return jnp.sum(value[ids] * _f(g, dt))
+
+
+# Cost model.
+
+@dataclasses.dataclass(frozen=True)
+class PairCost:
+    """FLOPs, HBM bytes moved and scratch bytes of one pair rule for a batch."""
+    flops: float
+    bytes_moved: float
+    scratch_bytes: float
+
+
+def pair_cost(kind: str, method: str, *, B: int, T: int, P: int, D: int, S: int | None = None,
+              itemsize: int = 4, chunk_size: int = DEFAULT_CHUNK_SIZE) -> PairCost:
+    """Cost of one pair rule. kind: "linear" | "embed" | "linear_embed"; method: "ghost" | "instantiate".
+
+    P is the input width (vocabulary size for an embedding), D the output width,
+    S the length of the second term's sequence (default T). Scratch is what one
+    chunk of examples holds beyond the inputs.
+    """
+    S = T if S is None else S
+    k = min(chunk_size, B)
+    inputs = B * (T * (P + D)) * itemsize if kind == "linear" else B * T * (D + 1) * itemsize
+    if method == "ghost":
+        if kind == "linear":
+            flops = 2 * B * T * S * (P + D) + 2 * B * T * S
+        else:
+            flops = 2 * B * T * S * D + 2 * B * T * S
+        scratch = 2 * k * T * S * 4
+        return PairCost(flops, inputs + 2 * B * T * S * 4 * 2, scratch)
+    if kind == "linear":
+        flops = 2 * B * T * P * D + 2 * B * P * D
+        return PairCost(flops, inputs + 2 * B * P * D * 4, k * P * D * 4)
+    if kind == "embed":
+        flops = 3 * B * T * D + B * T * math.log2(max(T, 2))
+        return PairCost(flops, inputs + 2 * B * T * D * 4, k * T * D * 4)
+    flops = 2 * B * T * P * D + 2 * B * S * D
+    return PairCost(flops, inputs + 2 * B * P * D * 4, k * P * D * 4)
+
+
+def choose_method(kind: str, *, B, T, P, D, S=None, itemsize=4, chunk_size=DEFAULT_CHUNK_SIZE,
+                  memory_budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES) -> str:
+    """The `auto` rule: fewest FLOPs among methods whose scratch fits the budget."""
+    costs = {m: pair_cost(kind, m, B=B, T=T, P=P, D=D, S=S, itemsize=itemsize, chunk_size=chunk_size)
+             for m in ("ghost", "instantiate")}
+    fits = [m for m, c in costs.items() if c.scratch_bytes <= memory_budget_bytes]
+    if fits:
+        return min(fits, key=lambda m: costs[m].flops)
+    return min(costs, key=lambda m: costs[m].scratch_bytes)
+
+
+# Dispatch.
+
+def _per_example(fn, arrays, chunk_size):
+    """fn over examples, `chunk_size` examples at a time."""
+    if chunk_size >= arrays[0].shape[0]:
+        return jax.vmap(fn)(*arrays)
+    return jax.lax.map(lambda a: fn(*a), arrays, batch_size=chunk_size)
+
+
+def _method(strategy, kind, a, b, chunk_size, memory_budget_bytes):
+    if strategy != "auto":
+        return strategy
+    if kind == "linear":
+        B, T, P = a.x_BTP.shape
+        return choose_method(kind, B=B, T=T, P=P, D=a.g_BTD.shape[-1], S=b.x_BTP.shape[1],
+                             itemsize=a.x_BTP.dtype.itemsize, chunk_size=chunk_size,
+                             memory_budget_bytes=memory_budget_bytes)
+    if kind == "embed":
+        B, T, D = a.g_BTD.shape
+        return choose_method(kind, B=B, T=T, P=a.num_embeddings, D=D, S=b.g_BTD.shape[1],
+                             chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes)
+    B, T, P = a.x_BTP.shape
+    return choose_method(kind, B=B, T=T, P=P, D=a.g_BTD.shape[-1], S=b.g_BTD.shape[1],
+                         itemsize=a.x_BTP.dtype.itemsize, chunk_size=chunk_size,
+                         memory_budget_bytes=memory_budget_bytes)
+
+
+def pair_inner(a: Term, b: Term, strategy: str = "auto", *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+               memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> jax.Array:
+    """Per-example inner products <a[b], b[b]> of two terms of one parameter, shape (B,)."""
+    if isinstance(b, DenseTerm) and not isinstance(a, DenseTerm):
+        a, b = b, a
+    if isinstance(a, DenseTerm):
+        if isinstance(b, DenseTerm):
+            return _per_example(lambda v, o: _dense_with(v, (o,), "dense"), (a.value_B, b.value_B), chunk_size)
+        if isinstance(b, LinearTerm):
+            return _per_example(lambda v, x, g: _dense_with(v, (x, g), "linear"),
+                                (a.value_B, b.x_BTP, b.g_BTD), chunk_size)
+        return _per_example(lambda v, i, g: _dense_with(v, (i, g), "embed"),
+                            (a.value_B, b.ids_BT, b.g_BTD), chunk_size)
+    if isinstance(a, EmbedTerm) and isinstance(b, LinearTerm):
+        a, b = b, a
+    if isinstance(a, LinearTerm) and isinstance(b, LinearTerm):
+        method = _method(strategy, "linear", a, b, chunk_size, memory_budget_bytes)
+        fn = _linear_ghost if method == "ghost" else _linear_instantiate
+        if a is b:
+            return _per_example(lambda x, g: fn(x, g, x, g), (a.x_BTP, a.g_BTD), chunk_size)
+        return _per_example(fn, (a.x_BTP, a.g_BTD, b.x_BTP, b.g_BTD), chunk_size)
+    if isinstance(a, EmbedTerm) and isinstance(b, EmbedTerm):
+        method = _method(strategy, "embed", a, b, chunk_size, memory_budget_bytes)
+        if a is b and method == "instantiate":
+            return _per_example(_embed_instantiate, (a.ids_BT, a.g_BTD), chunk_size)
+        return _per_example(_embed_ghost, (a.ids_BT, a.g_BTD, b.ids_BT, b.g_BTD), chunk_size)
+    method = _method(strategy, "linear_embed", a, b, chunk_size, memory_budget_bytes)
+    fn = _linear_embed_ghost if method == "ghost" else _linear_embed_instantiate
+    return _per_example(fn, (a.x_BTP, a.g_BTD, b.ids_BT, b.g_BTD), chunk_size)
+
+
+def squared_norms(grad: FactoredGrad, strategy: str = "auto", *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> jax.Array:
+    """Per-example squared L2 norms (B,) of a parameter's factored gradient, cross terms included."""
+    check_strategy(strategy)
+    kw = dict(chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes)
+    terms = grad.terms
+    total = None
+    for i, a in enumerate(terms):
+        for j in range(i, len(terms)):
+            inner = pair_inner(a, terms[j], strategy, **kw)
+            inner = inner if i == j else 2 * inner
+            total = inner if total is None else total + inner
+    return total

@@ -1,0 +1,145 @@
+"""Per-example gradients in one backward pass, without vmap over the model.
+
+`per_example_grads(loss_fn)(model, batch)` returns the per-example losses and,
+for every `nnx.Param` of the model, a `FactoredGrad`: the per-example gradient
+in factored form (activations and output gradients for a linear weight,
+small per-example gradients for norm scales and biases). See `jaxdp.terms`.
+
+How: a shape-only pass (`jax.eval_shape`) finds every DP-layer call; a second
+pass runs the forward under `jax.vjp` with respect to one zero "slot" per
+call, whose cotangents are that call's output gradient and recorded input
+(`jaxdp._tape`). The weight-gradient GEMMs of the ordinary backward are never
+formed. Parameters that no layer rule covers get exact per-example gradients
+of those parameters alone (`jax.vmap(jax.grad)` with respect to them only), or
+a ValueError naming them when `fallback=False`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdp import _tape
+from jaxdp.nn import DP_LAYERS
+from jaxdp.terms import DenseTerm, FactoredGrad
+
+LossFn = Callable[[nnx.Module, Any], jax.Array]
+
+
+def _label_layers(model: nnx.Module) -> None:
+    """Gives every DP layer its state path (once; a static attribute)."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, DP_LAYERS) and node.dp_path != tuple(path):
+            node.dp_path = tuple(path)
+
+
+def _check_losses(losses, batch_size_hint=None):
+    if losses.ndim != 1:
+        raise ValueError(
+            "loss_fn must return per-example losses of shape (B,); got shape "
+            f"{tuple(losses.shape)}. Return the unreduced losses (e.g. the mean over "
+            "tokens of each example), not their mean or sum.")
+
+
+def per_example_grads(loss_fn: LossFn, *, fallback: bool = True):
+    """Makes a function returning per-example losses and factored per-example gradients.
+
+    Args:
+      loss_fn: `loss_fn(model, batch) -> losses` with `losses` of shape (B,):
+        one loss per example, so that the gradient of `sum(losses)` is the sum
+        of per-example gradients. Padding examples should have loss 0 (e.g.
+        `jnp.where(mask, loss, 0.0)`).
+      fallback: if True, parameters not covered by a `jaxdp.nn` layer rule get
+        exact per-example gradients by `jax.vmap(jax.grad)` with respect to
+        those parameters only (this runs the model once more, per example);
+        if False, such parameters raise a ValueError naming them.
+
+    Returns:
+      `grads_fn(model, batch) -> (losses, grads)`, where `grads` has the tree
+      structure of `nnx.state(model, nnx.Param)` and every leaf value is a
+      `jaxdp.terms.FactoredGrad`. Works under `jax.jit` / `nnx.jit` and with
+      `nnx.remat` blocks. Pass `grads` to `jaxdp.fused_clip`.
+
+    Example:
+      >>> def loss_fn(model, batch):
+      ...   logits = model(batch["inputs"])
+      ...   nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+      ...   return nll.mean(axis=-1) * batch["mask"]
+      >>> losses, grads = jaxdp.per_example_grads(loss_fn)(model, batch)
+    """
+
+    def grads_fn(model: nnx.Module, batch):
+        _label_layers(model)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def losses_of(params, rest):
+            model = nnx.merge(graphdef, params, rest)
+            losses = loss_fn(model, batch)
+            return losses, nnx.state(model, nnx.Not(nnx.Param))
+
+        with _tape.recording("discover") as tape:
+            losses_struct, _ = jax.eval_shape(losses_of, params, rest)
+        _check_losses(losses_struct)
+        uses = tape.uses
+        slots = {k: (jnp.zeros(u.y.shape, u.y.dtype), jnp.zeros(u.record.shape, u.record.dtype))
+                 for k, u in uses.items()}
+
+        def record_pass(slots, params, rest):
+            with _tape.recording("record", slots):
+                return losses_of(jax.lax.stop_gradient(params), rest)
+
+        losses, vjp_fn, new_rest = jax.vjp(record_pass, slots, params, rest, has_aux=True)
+        slot_cts, _, _ = vjp_fn(jnp.ones_like(losses))
+        nnx.update(model, new_rest)
+
+        terms_by_path: dict[tuple, list] = {}
+        for key, use in uses.items():
+            g, record = slot_cts[key]
+            if jnp.issubdtype(use.record_dtype, jnp.integer):
+                record = record.astype(use.record_dtype)
+            for name, term in use.terms_fn(record, g).items():
+                terms_by_path.setdefault(use.path + (name,), []).append(term)
+
+        flat = list(nnx.to_flat_state(params))
+        missing = [path for path, _ in flat if tuple(path) not in terms_by_path]
+        if missing:
+            for path, value in _fallback_grads(loss_fn, graphdef, params, rest, batch,
+                                               missing, fallback).items():
+                terms_by_path[path] = [DenseTerm(value)]
+        grads = nnx.from_flat_state(
+            [(path, var.replace(FactoredGrad(tuple(terms_by_path[tuple(path)]))))
+             for path, var in flat])
+        return losses, grads
+
+    return grads_fn
+
+
+def _fallback_grads(loss_fn, graphdef, params, rest, batch, missing, enabled):
+    """Exact per-example gradients of the parameters in `missing` only."""
+    names = ", ".join("/".join(map(str, p)) for p in missing)
+    if not enabled:
+        raise ValueError(
+            f"no per-example gradient rule covers parameter(s) {names}; build the model "
+            "from jaxdp.nn layers, or pass fallback=True to per_example_grads to get "
+            "their per-example gradients by vmap over examples.")
+    missing = {tuple(p) for p in missing}
+    flat = list(nnx.to_flat_state(params))
+    values = {tuple(p): var.get_value() for p, var in flat if tuple(p) in missing}
+    others = {tuple(p): var.get_value() for p, var in flat if tuple(p) not in missing}
+
+    # Everything the model is built from is an argument (not a closure), so
+    # that nnx transforms inside the model (nnx.remat) see one trace level.
+    def one_example_loss(values, others, rest, example):
+        others = jax.lax.stop_gradient(others)
+        merged = nnx.from_flat_state([
+            (p, var.replace(values[tuple(p)] if tuple(p) in values else others[tuple(p)]))
+            for p, var in flat])
+        model = nnx.merge(graphdef, merged, rest)
+        example = jax.tree.map(lambda a: a[None], example)
+        return loss_fn(model, example)[0]
+
+    grad_fn = jax.vmap(jax.grad(one_example_loss), in_axes=(None, None, None, 0))
+    return grad_fn(values, others, rest, batch)

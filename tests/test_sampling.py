@@ -1,0 +1,262 @@
+"""Tests for jaxdp.sampling: Poisson statistics, reproducibility, layout, overflow."""
+
+import math
+
+import numpy as np
+import pytest
+
+from jaxdp import sampling
+
+# Tolerances are in standard deviations of the statistic under test. With the
+# seeds fixed the tests are deterministic; Z makes a false failure under a
+# fresh seed unlikely (two-sided normal tail at 6 sigma: 2e-9 per check).
+Z = 6.0
+
+
+def _batches(sampler, steps):
+    return [sampler.sample(s) for s in steps]
+
+
+def _included(batch):
+    indices, mask = batch
+    return indices[mask]
+
+
+def _exact_tail(n, q, b):
+    """P(Binomial(n, q) > b), summed term by term with math.comb."""
+    return math.fsum(math.comb(n, k) * q**k * (1 - q) ** (n - k) for k in range(b + 1, n + 1))
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def test_inclusion_rate_matches_q():
+    n, expected, steps = 100, 10, 2000
+    q = expected / n
+    sampler = sampling.PoissonSampler(n, expected, seed=1)
+    counts = np.zeros(n)
+    for indices, mask in _batches(sampler, range(steps)):
+        np.add.at(counts, indices[mask], 1)
+    # Every inclusion is an independent Bernoulli(q): the total is
+    # Binomial(n * steps, q) and each example's count is Binomial(steps, q).
+    total_sd = math.sqrt(n * steps * q * (1 - q))
+    assert abs(counts.sum() - n * steps * q) <= Z * total_sd
+    # Per example, with a union bound over the n examples: z = 6.5 gives
+    # n * 8e-11 < 1e-8.
+    per_example_sd = math.sqrt(steps * q * (1 - q))
+    assert np.abs(counts - steps * q).max() <= 6.5 * per_example_sd
+
+
+def test_batch_size_is_binomial():
+    n, expected, steps = 1000, 50, 2000
+    q = expected / n
+    sampler = sampling.PoissonSampler(n, expected, seed=2)
+    sizes = np.array([mask.sum() for _, mask in _batches(sampler, range(steps))])
+    var = n * q * (1 - q)
+    assert abs(sizes.mean() - expected) <= Z * math.sqrt(var / steps)
+    # The size varies like Binomial(n, q) (a fixed-size sampler would have 0
+    # variance). Sample variance ~ var * chi2(steps - 1) / (steps - 1), whose
+    # relative sd is sqrt(2 / (steps - 1)) (binomial excess kurtosis is tiny).
+    assert abs(sizes.var(ddof=1) / var - 1) <= Z * math.sqrt(2 / (steps - 1))
+    assert sampler.sampling_probability == q
+
+
+def test_full_sampling_probability_takes_everything():
+    sampler = sampling.PoissonSampler(17, 17)
+    assert sampler.max_batch_size == 17
+    indices, mask = sampler.sample(3)
+    np.testing.assert_array_equal(indices, np.arange(17))
+    assert mask.all()
+
+
+# ---------------------------------------------------------------- determinism
+
+
+def test_same_seed_and_step_reproduce_in_any_order():
+    a = sampling.PoissonSampler(500, 20, seed=7)
+    b = sampling.PoissonSampler(500, 20, seed=7)
+    forward = _batches(a, range(10))
+    backward = _batches(b, reversed(range(10)))[::-1]  # e.g. a resumed run
+    for (i1, m1), (i2, m2) in zip(forward, backward, strict=True):
+        np.testing.assert_array_equal(i1, i2)
+        np.testing.assert_array_equal(m1, m2)
+
+
+def test_different_steps_and_seeds_differ():
+    a = sampling.PoissonSampler(500, 20, seed=7)
+    b = sampling.PoissonSampler(500, 20, seed=8)
+    batches = [tuple(i[m]) for i, m in _batches(a, range(20))]
+    assert len(set(batches)) == 20
+    assert not np.array_equal(a.sample(0)[0], b.sample(0)[0])
+
+
+def test_draw_is_default_rng_of_seed_and_step():
+    # Documented contract: step s draws from np.random.default_rng([seed, s]).
+    sampler = sampling.PoissonSampler(300, 30, seed=5)
+    rng = np.random.default_rng([5, 11])
+    size = rng.binomial(300, 0.1)
+    expected = np.sort(rng.choice(300, size=size, replace=False, shuffle=False))
+    indices, mask = sampler.sample(11)
+    np.testing.assert_array_equal(indices[mask], expected)
+
+
+# ---------------------------------------------------------------- layout
+
+
+def test_layout_included_first_then_padding():
+    n = 1000
+    sampler = sampling.PoissonSampler(n, 40, seed=3)
+    for indices, mask in _batches(sampler, range(50)):
+        assert indices.shape == mask.shape == (sampler.max_batch_size,)
+        assert indices.dtype == np.int64 and mask.dtype == np.bool_
+        k = int(mask.sum())
+        assert mask[:k].all() and not mask[k:].any()
+        assert (np.diff(indices[:k]) > 0).all()  # increasing, no repeats
+        assert indices[:k].min(initial=0) >= 0 and indices[:k].max(initial=0) < n
+        assert (indices[k:] == 0).all()
+        assert not sampler.last_overflow
+    assert sampler.overflow_count == 0
+
+
+# ---------------------------------------------------------------- overflow
+
+# N = 100, q = 0.03, 4 slots: P(Binomial(100, 0.03) > 4) ~ 0.18 per step.
+_N, _EXPECTED, _SLOTS, _STEPS = 100, 3, 4, 300
+
+
+def _unbounded(seed):
+    return sampling.PoissonSampler(_N, _EXPECTED, max_batch_size=_N, seed=seed)
+
+
+@pytest.mark.parametrize("overflow", sampling.OVERFLOW_MODES)
+def test_modes_agree_when_the_draw_fits(overflow):
+    full = _unbounded(0)
+    small = sampling.PoissonSampler(_N, _EXPECTED, max_batch_size=_SLOTS, seed=0,
+                                    overflow=overflow)
+    for step in range(_STEPS):
+        full_idx, full_mask = full.sample(step)
+        if full_mask.sum() <= _SLOTS:
+            indices, mask = small.sample(step)
+            np.testing.assert_array_equal(indices, full_idx[:_SLOTS])
+            np.testing.assert_array_equal(mask, full_mask[:_SLOTS])
+            assert not small.last_overflow
+
+
+def test_truncate_keeps_a_random_subset_and_counts():
+    full = _unbounded(0)
+    small = sampling.PoissonSampler(_N, _EXPECTED, max_batch_size=_SLOTS, seed=0)
+    overflows = 0
+    for step in range(_STEPS):
+        full_idx, full_mask = full.sample(step)
+        indices, mask = small.sample(step)
+        kept, drawn = set(indices[mask]), set(full_idx[full_mask])
+        assert kept <= drawn
+        assert len(kept) == min(len(drawn), _SLOTS)
+        assert small.last_overflow == (len(drawn) > _SLOTS)
+        overflows += len(drawn) > _SLOTS
+    assert overflows > 0
+    assert small.overflow_count == overflows
+
+
+def test_truncate_keeps_a_uniform_subset():
+    # An overflowing draw of m examples keeps a uniform `slots`-subset, so the
+    # number kept from the first half of the data is hypergeometric given the
+    # draw. Sum it over steps and compare with the summed mean and variance.
+    slots = 10
+    full = sampling.PoissonSampler(_N, 30, max_batch_size=_N, seed=4)
+    small = sampling.PoissonSampler(_N, 30, max_batch_size=slots, seed=4)
+    kept_low, mean, var = 0, 0.0, 0.0
+    for step in range(400):
+        drawn, kept = _included(full.sample(step)), _included(small.sample(step))
+        m, p_low = drawn.size, (drawn < _N // 2).mean()
+        if m > slots:
+            kept_low += int((kept < _N // 2).sum())
+            mean += slots * p_low
+            var += slots * p_low * (1 - p_low) * (m - slots) / (m - 1)
+    assert abs(kept_low - mean) <= Z * math.sqrt(var)
+
+
+def test_resample_redraws_until_it_fits():
+    full = _unbounded(0)
+    small = sampling.PoissonSampler(_N, _EXPECTED, max_batch_size=_SLOTS, seed=0,
+                                    overflow="resample")
+    again = sampling.PoissonSampler(_N, _EXPECTED, max_batch_size=_SLOTS, seed=0,
+                                    overflow="resample")
+    overflows = 0
+    for step in range(_STEPS):
+        _, full_mask = full.sample(step)
+        indices, mask = small.sample(step)
+        assert mask.sum() <= _SLOTS
+        overflowed = full_mask.sum() > _SLOTS
+        assert small.last_overflow == overflowed
+        overflows += overflowed
+        again_idx, again_mask = again.sample(step)  # redraws are deterministic too
+        np.testing.assert_array_equal(indices, again_idx)
+        np.testing.assert_array_equal(mask, again_mask)
+    assert overflows > 0
+    assert small.overflow_count == overflows
+
+
+def test_resample_gives_up_when_nothing_fits():
+    sampler = sampling.PoissonSampler(100, 50, max_batch_size=1, overflow="resample")
+    with pytest.raises(RuntimeError, match="resample"):
+        sampler.sample(0)
+
+
+def test_error_mode_raises_on_overflow():
+    full = _unbounded(0)
+    small = sampling.PoissonSampler(_N, _EXPECTED, max_batch_size=_SLOTS, seed=0,
+                                    overflow="error")
+    step = next(s for s in range(_STEPS) if full.sample(s)[1].sum() > _SLOTS)
+    with pytest.raises(RuntimeError, match="max_batch_size"):
+        small.sample(step)
+
+
+# ---------------------------------------------------------------- default size
+
+
+@pytest.mark.parametrize("n,expected", [(200, 20), (50, 25), (1000, 3), (300, 270),
+                                        (500, 0.5)])
+@pytest.mark.parametrize("max_overflow_probability", [1e-9, 1e-3])
+def test_default_max_batch_size_is_smallest_safe(n, expected, max_overflow_probability):
+    sampler = sampling.PoissonSampler(n, expected,
+                                      max_overflow_probability=max_overflow_probability)
+    b, q = sampler.max_batch_size, expected / n
+    # Safe on the data set and on its larger neighbour (n + 1 examples) ...
+    assert _exact_tail(n, q, b) < max_overflow_probability
+    assert _exact_tail(n + 1, q, b) < max_overflow_probability
+    # ... and the smallest such size (for the neighbour).
+    if b > 1:
+        assert _exact_tail(n + 1, q, b - 1) >= max_overflow_probability
+    assert sampler.overflow_probability == pytest.approx(_exact_tail(n + 1, q, b),
+                                                         rel=1e-9, abs=1e-300)
+
+
+def test_overflow_probability_of_an_explicit_size():
+    sampler = sampling.PoissonSampler(_N, _EXPECTED, max_batch_size=_SLOTS)
+    assert sampler.overflow_probability == pytest.approx(
+        _exact_tail(_N + 1, _EXPECTED / _N, _SLOTS), rel=1e-9)
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    ((0, 1), {}, "num_examples"),
+    ((-5, 1), {}, "num_examples"),
+    ((100, 0), {}, "expected_batch_size"),
+    ((100, -3), {}, "expected_batch_size"),
+    ((100, 101), {}, r"expected_batch_size .*\(0, 100\]"),
+    ((100, 10), {"max_batch_size": 0}, "max_batch_size"),
+    ((100, 10), {"overflow": "drop"}, r"overflow .*\('truncate', 'resample', 'error'\)"),
+    ((100, 10), {"seed": -1}, "seed"),
+    ((100, 10), {"max_overflow_probability": 0.0}, "max_overflow_probability"),
+])
+def test_bad_input_raises_value_error_naming_argument(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sampling.PoissonSampler(*args, **kwargs)
+
+
+def test_bad_step_raises_value_error():
+    with pytest.raises(ValueError, match="step"):
+        sampling.PoissonSampler(100, 10).sample(-1)
