@@ -1,0 +1,130 @@
+"""per_example_grads beyond GPT-2: fallback, sensitivity to extreme and non-finite examples, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxdp
+from dp_testing import by_path, lm_batch, lm_loss, max_rel_err, tiny_gpt2
+
+
+class MixedNet(nnx.Module):
+    """jaxdp layers plus parameters no rule covers: a flax nnx.Linear and a raw scalar Param."""
+
+    def __init__(self, rngs):
+        self.inp = jaxdp.nn.Linear(8, 16, rngs=rngs)
+        self.norm = jaxdp.nn.LayerNorm(16)
+        self.plain = nnx.Linear(16, 16, rngs=rngs)
+        self.rms = jaxdp.nn.RMSNorm(16)
+        self.out = jaxdp.nn.Linear(16, 4, use_bias=False, rngs=rngs)
+        self.temperature = nnx.Param(jnp.array(1.5))
+
+    def __call__(self, x_BTF):
+        h = jax.nn.gelu(self.norm(self.inp(x_BTF)))
+        h = self.rms(jnp.tanh(self.plain(h)))
+        return self.out(h) * self.temperature[...]
+
+
+def regression_loss(model, batch):
+    err = model(batch["x"]) - batch["y"]
+    return jnp.where(batch["mask"], jnp.sum(err ** 2, axis=(1, 2)), 0.0)
+
+
+def regression_batch(seed, B=6, T=5):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return {"x": jax.random.normal(kx, (B, T, 8)), "y": jax.random.normal(ky, (B, T, 4)),
+            "mask": jnp.ones((B,), bool)}
+
+
+def test_fallback_gives_exact_per_example_grads():
+    model = MixedNet(nnx.Rngs(1))
+    batch = regression_batch(2)
+    _, grads = jaxdp.per_example_grads(regression_loss)(model, batch)
+    _, ref = jaxdp.reference.per_example_grads(regression_loss, model, batch)
+    grads = by_path(grads)
+    assert isinstance(grads[("temperature",)].terms[0], jaxdp.DenseTerm)
+    assert isinstance(grads[("inp", "kernel")].terms[0], jaxdp.LinearTerm)
+    for path, grad in grads.items():
+        dense = sum(jaxdp.terms.instantiate(t) for t in grad.terms)
+        assert float(jnp.max(jnp.abs(dense - ref[path])) / jnp.max(jnp.abs(ref[path]))) <= 1e-5, path
+
+
+def test_fallback_off_names_the_parameters():
+    model = MixedNet(nnx.Rngs(1))
+    with pytest.raises(ValueError, match=r"plain/kernel.*temperature|temperature.*plain/kernel"):
+        jaxdp.per_example_grads(regression_loss, fallback=False)(model, regression_batch(2))
+
+
+def test_loss_fn_returning_scalar_is_rejected():
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match="loss_fn"):
+        jaxdp.per_example_grads(lambda m, b: lm_loss(m, b).mean())(model, lm_batch(0))
+
+
+def l2(tree):
+    return float(jnp.sqrt(sum(jnp.sum(jnp.square(v)) for v in by_path(tree).values())))
+
+
+@pytest.mark.parametrize("poison", ["extreme", "nan", "inf"])
+def test_one_example_changes_clipped_sum_by_at_most_c(poison):
+    """Sensitivity: adding one example (huge or non-finite) moves the noiseless sum by <= C."""
+    model = MixedNet(nnx.Rngs(3))
+    batch = regression_batch(4, B=5)
+    scale = {"extreme": 1e6, "nan": jnp.nan, "inf": jnp.inf}[poison]
+    extra = regression_batch(5, B=1)
+    extra["x"] = extra["x"] * scale
+    bigger = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), batch, extra)
+    grads_fn = nnx.jit(jaxdp.per_example_grads(regression_loss))
+    _, g_small = grads_fn(model, batch)
+    _, g_big = grads_fn(model, bigger)
+    C = 0.7
+    for clipping in ("flat", "per_layer"):
+        for clip_fn in ("abadi", "automatic"):
+            for strategy in ("ghost", "instantiate"):
+                agg = jax.jit(lambda g: jaxdp.clipped_aggregate(
+                    g, C, clipping=clipping, clip_fn=clip_fn, strategy=strategy)[0])
+                small, big = agg(g_small), agg(g_big)
+                assert all(bool(jnp.all(jnp.isfinite(v))) for v in by_path(big).values())
+                diff = jax.tree.map(lambda a, b: a - b, big, small)
+                assert l2(diff) <= C * (1 + 1e-6), (clipping, clip_fn, strategy, l2(diff))
+                if poison != "extreme":  # contributes zero: only summation-order rounding differs
+                    assert l2(diff) <= 1e-5 * l2(small)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(l2_norm_clip=0.0), "l2_norm_clip"),
+    (dict(l2_norm_clip=-1.0), "l2_norm_clip"),
+    (dict(noise_multiplier=-0.1), "noise_multiplier"),
+    (dict(expected_batch_size=0), "expected_batch_size"),
+    (dict(clipping="per_tensor"), "clipping"),
+    (dict(clip_fn="psac"), "clip_fn"),
+    (dict(strategy="fast"), "strategy"),
+    (dict(accumulation_steps=0), "accumulation_steps"),
+])
+def test_fused_clip_bad_input(kwargs, name):
+    args = dict(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=8)
+    args.update(kwargs)
+    C, sigma = args.pop("l2_norm_clip"), args.pop("noise_multiplier")
+    with pytest.raises(ValueError, match=name):
+        jaxdp.fused_clip(C, sigma, **args)
+
+
+def test_accounting_bad_delta():
+    for delta in (0.0, 1.0, -1e-5):
+        with pytest.raises(ValueError, match="delta"):
+            jaxdp.accounting.epsilon(1.0, 0.01, 10, delta)
+
+
+def test_auto_strategy_follows_cost_model():
+    from jaxdp.norms import choose_method
+    # fastDP's rule where memory allows: ghost iff 2 T^2 < P D.
+    assert choose_method("linear", B=8, T=128, P=768, D=3072) == "ghost"
+    assert choose_method("linear", B=8, T=4096, P=768, D=3072) == "instantiate"
+    # The memory budget overrides FLOPs: the tied GPT-2 head at T = 4096 would instantiate
+    # 8 x 50257 x 768 floats (1.2 GB) per chunk; ghost's Grams take 1 GiB.
+    assert choose_method("linear", B=8, T=4096, P=50257, D=768) == "ghost"
+    assert choose_method("linear", B=8, T=4096, P=50257, D=768, memory_budget_bytes=1 << 32) == "instantiate"
+    assert choose_method("embed", B=8, T=1024, P=50257, D=768) == "instantiate"
