@@ -1,0 +1,26 @@
+"""Shared GPU settings (FlashDP appendix D): seq 1024, GPT-2 BPE, lr 6e-4 cosine to 6e-5, wd 0.1."""
+
+from experiments.configs import default
+
+
+def gpu_config(n_layer: int, n_head: int, d_model: int, name: str):
+    c = default.get_config()
+    c.workdir = f"runs/pretrain_{name}"
+    c.steps = 2000
+    c.checkpoint_every = 200
+    c.log_every = 10
+    c.eval_every = 200
+    c.eval_windows = 512
+    c.eval_batch_size = 16
+    c.batch_size = 512
+    c.accumulation_steps = 8
+    c.seq_len = 1024
+    c.learning_rate = 6e-4
+    c.min_lr_ratio = 0.1
+    c.warmup_steps = 100
+    c.weight_decay = 0.1
+    c.dtype = "bfloat16"
+    c.model.n_layer, c.model.n_head, c.model.d_model = n_layer, n_head, d_model
+    c.model.max_seq_len = 1024
+    c.data.tokenizer = "gpt2"
+    return c

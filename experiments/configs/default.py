@@ -1,0 +1,62 @@
+"""Default CPU config: DP-Adam pretraining of a ~4M-parameter GPT-2 on the bundled corpus.
+
+Measured on 2 CPU cores: see WORKSPACE.md. Every field can be overridden on
+the command line, e.g. `--config.steps=100 --config.dp.target_epsilon=2`.
+"""
+
+from ml_collections import config_dict
+
+
+def get_config() -> config_dict.ConfigDict:
+    c = config_dict.ConfigDict()
+    c.workdir = "runs/pretrain_gpt2"     # run directory; rerunning the same command resumes it
+    c.seed = 0                           # model init, Poisson sampling, noise key, data split
+    c.steps = 150                        # logical (optimizer) steps; sigma is calibrated for them
+    c.checkpoint_every = 50              # steps between checkpoints (one is also written at the end)
+    c.log_every = 5                      # steps between metrics.jsonl lines (checkpoint_every % log_every == 0)
+    c.eval_every = 25                    # steps between validation evaluations (on logged steps)
+    c.eval_windows = 256                 # validation windows evaluated (evenly spaced)
+    c.eval_batch_size = 64               # windows per evaluation batch
+    c.num_samples = 3                    # continuations of validation prompts written to samples.txt
+    c.sample_tokens = 48                 # tokens generated per sample
+
+    c.batch_size = 128                   # EXPECTED logical batch size q * N (Poisson sampling)
+    c.max_batch_size = config_dict.placeholder(int)  # padded batch size; None: overflow prob < 1e-9
+    c.accumulation_steps = 1             # micro-batches per logical batch (max_batch_size is split)
+    c.seq_len = 128                      # tokens per window (a DP record has seq_len + 1 tokens)
+
+    c.learning_rate = 3e-3               # peak learning rate of adamw
+    c.min_lr_ratio = 0.1                 # cosine decays to min_lr_ratio * learning_rate at `steps`
+    c.warmup_steps = 10                  # linear warmup steps
+    c.weight_decay = 0.0                 # adamw decoupled weight decay
+    c.b1 = 0.9                           # adam beta1
+    c.b2 = 0.95                          # adam beta2
+    c.dtype = "float32"                  # compute dtype: "float32" | "bfloat16" (params stay float32)
+    c.remat = False                      # activation checkpointing of every block (DP-safe)
+    c.accountant = "rdp"                 # privacy accountant: "rdp" | "pld"
+
+    c.model = config_dict.ConfigDict()
+    c.model.n_layer = 4                  # transformer blocks
+    c.model.n_head = 4                   # attention heads
+    c.model.d_model = 256                # residual width
+    c.model.mlp_ratio = 4                # MLP hidden = mlp_ratio * d_model
+    c.model.max_seq_len = 128            # learned positions (the model's maximum sequence length)
+
+    c.data = config_dict.ConfigDict()
+    c.data.path = config_dict.placeholder(str)  # None: bundled State of the Union corpus; or .txt / dir / .jsonl
+    c.data.tokenizer = "bpe4096"         # "gpt2", "bpe<N>" (trained on the corpus) or a tokenizer directory
+    c.data.validation_fraction = 0.05    # documents held out for validation (split by document)
+    c.data.cache_dir = config_dict.placeholder(str)  # token cache; None: $JAXDP_CACHE_DIR or ~/.cache/jaxdp/tokens
+
+    c.dp = config_dict.ConfigDict()
+    c.dp.enabled = True                  # False: the identical non-DP baseline
+    c.dp.target_epsilon = 8.0            # privacy budget; training stops before exceeding it
+    c.dp.delta = config_dict.placeholder(float)  # None: 1 / (number of training windows)
+    c.dp.noise_multiplier = config_dict.placeholder(float)  # None: calibrate sigma to target_epsilon
+    c.dp.l2_norm_clip = 1.0              # C, the bound on each window's gradient
+    c.dp.clipping = "flat"               # "flat" | "per_layer"
+    c.dp.clip_fn = "abadi"               # "abadi" | "automatic"
+    c.dp.strategy = "auto"               # per-example norm method: "auto" | "ghost" | "instantiate"
+    c.dp.overflow = "truncate"           # Poisson draw above max_batch_size: "truncate" | "resample" | "error"
+    c.lock()
+    return c

@@ -1,0 +1,39 @@
+"""Samples text from a run directory of `experiments.pretrain_gpt2`.
+
+    python -m experiments.generate --workdir=runs/pretrain_gpt2 --prompt="The state of the Union"
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+
+_WORKDIR = flags.DEFINE_string("workdir", "runs/pretrain_gpt2", "Run directory.")
+_PROMPT = flags.DEFINE_string("prompt", "The state of the Union", "Text to continue.")
+_TOKENS = flags.DEFINE_integer("num_tokens", 64, "Tokens to generate per sample.")
+_SAMPLES = flags.DEFINE_integer("num_samples", 3, "Number of samples.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).")
+_TOP_K = flags.DEFINE_integer("top_k", 40, "Sample from the k most likely tokens (0 = all).")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    from jaxdp import training
+    try:
+        model, tokenizer, _ = training.load_for_generation(_WORKDIR.value)
+    except (training.ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompt = tokenizer.encode(_PROMPT.value) or [tokenizer.eot_id]
+    for i in range(_SAMPLES.value):
+        ids = training.generate(model, prompt, _TOKENS.value, seed=_SEED.value + i,
+                                temperature=_TEMPERATURE.value, top_k=_TOP_K.value or None)
+        print(f"=== sample {i + 1} ===\n{_PROMPT.value}{tokenizer.decode(ids)}\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(lambda argv: sys.exit(main(argv)))

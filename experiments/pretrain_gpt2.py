@@ -1,0 +1,59 @@
+"""DP pretraining of GPT-2 on real text, end to end.
+
+    python -m experiments.pretrain_gpt2                      # default CPU config
+    python -m experiments.pretrain_gpt2 --config=experiments/configs/gpt2_small.py
+    python -m experiments.pretrain_gpt2 --config.dp.enabled=False --config.workdir=runs/nondp
+
+Rerunning the same command resumes the run in `--config.workdir`. The logic
+lives in `jaxdp.training`.
+"""
+
+import json
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_DEFAULT = os.path.join(os.path.dirname(__file__), "configs", "default.py")
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Training config file.",
+                                          lock_config=True)
+
+
+def _print_summary(s: dict, workdir: str) -> None:
+    def fmt(x, spec=".4f"):
+        return "n/a" if x is None else format(x, spec)
+    lines = [
+        f"run: {workdir}" + (f"  ({s['stop_reason']})" if s.get("stop_reason") else ""),
+        f"  steps            {s['steps']}",
+        f"  train loss       {fmt(s['train_loss'])}  (perplexity {fmt(s['train_perplexity'], '.2f')})",
+        f"  val loss         {fmt(s['val_loss'])}  (perplexity {fmt(s['val_perplexity'], '.2f')}; "
+        f"untrained {fmt(s['initial_val_loss'])})",
+        f"  epsilon          {fmt(s['epsilon'], '.4g')}" + ("" if s["dp"] else "  (non-DP baseline)"),
+        f"  delta            {fmt(s['delta'], '.3g')}",
+        f"  sigma            {fmt(s['noise_multiplier'], '.4g')}",
+        f"  tokens/s         {fmt(s['tokens_per_s'], ',.0f')}",
+        f"  params           {s['num_params']:,}   tokenizer {s['tokenizer']} (vocab {s['vocab_size']})",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    from jaxdp import training  # after flag parsing: a --help stays fast
+    config = _CONFIG.value
+    try:
+        prepared = training.prepare(config, progress=training.data_lib.stderr_progress)
+    except training.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = training.train(config, prepared=prepared)
+    _print_summary(summary, config.workdir)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(lambda argv: sys.exit(main(argv)))
