@@ -1,4 +1,4 @@
-"""Default CPU config: DP-Adam pretraining of a ~4M-parameter GPT-2 on the bundled corpus.
+"""Default CPU config: DP-Adam pretraining of a ~2M-parameter GPT-2 on the bundled corpus.
 
 Measured on 2 CPU cores: see WORKSPACE.md. Every field can be overridden on
 the command line, e.g. `--config.steps=100 --config.dp.target_epsilon=2`.
@@ -20,7 +20,7 @@ def get_config() -> config_dict.ConfigDict:
     c.num_samples = 3                    # continuations of validation prompts written to samples.txt
     c.sample_tokens = 48                 # tokens generated per sample
 
-    c.batch_size = 128                   # EXPECTED logical batch size q * N (Poisson sampling)
+    c.batch_size = 64                    # EXPECTED logical batch size q * N (Poisson sampling)
     c.max_batch_size = config_dict.placeholder(int)  # padded batch size; None: overflow prob < 1e-9
     c.accumulation_steps = 1             # micro-batches per logical batch (max_batch_size is split)
     c.seq_len = 128                      # tokens per window (a DP record has seq_len + 1 tokens)
@@ -37,14 +37,14 @@ def get_config() -> config_dict.ConfigDict:
 
     c.model = config_dict.ConfigDict()
     c.model.n_layer = 4                  # transformer blocks
-    c.model.n_head = 4                   # attention heads
-    c.model.d_model = 256                # residual width
+    c.model.n_head = 6                   # attention heads
+    c.model.d_model = 192                # residual width
     c.model.mlp_ratio = 4                # MLP hidden = mlp_ratio * d_model
     c.model.max_seq_len = 128            # learned positions (the model's maximum sequence length)
 
     c.data = config_dict.ConfigDict()
     c.data.path = config_dict.placeholder(str)  # None: bundled State of the Union corpus; or .txt / dir / .jsonl
-    c.data.tokenizer = "bpe4096"         # "gpt2", "bpe<N>" (trained on the corpus) or a tokenizer directory
+    c.data.tokenizer = "bpe2048"         # "gpt2", "bpe<N>" (trained on the corpus) or a tokenizer directory
     c.data.validation_fraction = 0.05    # documents held out for validation (split by document)
     c.data.cache_dir = config_dict.placeholder(str)  # token cache; None: $JAXDP_CACHE_DIR or ~/.cache/jaxdp/tokens
 
