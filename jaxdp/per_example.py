@@ -36,7 +36,7 @@ def _label_layers(model: nnx.Module) -> None:
             node.dp_path = tuple(path)
 
 
-def _check_losses(losses, batch_size_hint=None):
+def _check_losses(losses) -> None:
     if losses.ndim != 1:
         raise ValueError(
             "loss_fn must return per-example losses of shape (B,); got shape "
