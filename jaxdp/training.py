@@ -28,6 +28,7 @@ error, not a silent mix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -44,6 +45,8 @@ from flax import nnx
 
 from jaxdp import accounting
 from jaxdp import data as data_lib
+from jaxdp import norms as norms_lib
+from jaxdp import reference
 from jaxdp.fused_clip import fused_clip
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.per_example import per_example_grads
@@ -79,43 +82,60 @@ def model_config(config, vocab_size: int) -> GPT2Config:
                       dtype=config.dtype, remat=config.remat)
 
 
-def learning_rate_schedule(config) -> optax.Schedule:
-    """Linear warmup to `learning_rate`, cosine decay to `min_lr_ratio * learning_rate` at `steps`."""
-    warmup = min(config.warmup_steps, max(config.steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, warmup, max(config.steps, warmup + 1),
-        end_value=config.learning_rate * config.min_lr_ratio)
-
-
 def make_optimizer(config, model: nnx.Module, *, noise_multiplier: float,
                    expected_batch_size: float) -> nnx.Optimizer:
     """adamw (wrapped in MultiSteps when accumulating), behind `fused_clip` when DP is on."""
-    k = config.accumulation_steps
-    adamw = optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
-                        weight_decay=config.weight_decay)
-    inner = optax.MultiSteps(adamw, k, use_grad_mean=False).gradient_transformation() if k > 1 else adamw
-    if config.dp.enabled:
-        tx = optax.chain(
-            fused_clip(config.dp.l2_norm_clip, noise_multiplier,
-                       expected_batch_size=expected_batch_size, seed=config.seed + 1,
-                       clipping=config.dp.clipping, clip_fn=config.dp.clip_fn,
-                       strategy=config.dp.strategy, accumulation_steps=k),
-            inner)
-    else:
-        tx = inner
+    dp = config.dp
+    tx = _make_tx(config.accumulation_steps, config.learning_rate, config.min_lr_ratio,
+                  config.warmup_steps, config.steps, config.b1, config.b2, config.weight_decay,
+                  dp.enabled, dp.l2_norm_clip, float(noise_multiplier), float(expected_batch_size),
+                  config.seed + 1, dp.clipping, dp.clip_fn,
+                  "auto" if dp.strategy == "reference" else dp.strategy)
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def make_train_step(dp: bool, loss_fn=lm_losses) -> Callable:
+# Cached: the transformation is stateless, and reusing the same object keeps the
+# optimizer's static graph equal, so the jitted step is not recompiled per run.
+@functools.lru_cache(maxsize=64)
+def _make_tx(k, learning_rate, min_lr_ratio, warmup_steps, steps, b1, b2, weight_decay,
+             dp_enabled, l2_norm_clip, noise_multiplier, expected_batch_size, seed, clipping,
+             clip_fn, strategy) -> optax.GradientTransformation:
+    warmup = min(warmup_steps, max(steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, warmup, max(steps, warmup + 1), end_value=learning_rate * min_lr_ratio)
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay)
+    inner = optax.MultiSteps(adamw, k, use_grad_mean=False).gradient_transformation() if k > 1 else adamw
+    if not dp_enabled:
+        return inner
+    return optax.chain(
+        fused_clip(l2_norm_clip, noise_multiplier, expected_batch_size=expected_batch_size,
+                   seed=seed, clipping=clipping, clip_fn=clip_fn, strategy=strategy,
+                   accumulation_steps=k),
+        inner)
+
+
+def _reference_grads_fn(loss_fn):
+    """Per-example gradients by jax.vmap(jax.grad), as plain (B, ...) arrays in the params' tree."""
+    def grads_fn(model, batch):
+        losses, dense = reference.per_example_grads(loss_fn, model, batch)
+        flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+        return losses, nnx.from_flat_state([(p, var.replace(dense[tuple(p)])) for p, var in flat])
+    return grads_fn
+
+
+@functools.lru_cache(maxsize=None)  # one jitted step per (dp, loss_fn): runs in one process share compiles
+def make_train_step(dp: bool, loss_fn=lm_losses, per_example: str = "jaxdp") -> Callable:
     """`step(model, optimizer, batch) -> sum of the batch's per-example losses` (one micro-batch).
 
     DP: per-example gradients -> fused_clip (clip, sum, noise once per logical
-    batch, divide by the expected batch size) -> adamw. Non-DP: the gradient
+    batch, divide by the expected batch size) -> adamw. `per_example="reference"`
+    computes the per-example gradients by `jax.vmap(jax.grad)` instead (the
+    explicit baseline; same clipping, noise and optimizer). Non-DP: the gradient
     of `sum(losses) / batch["divisor"]` (the realised size of the logical
     batch, so micro-batch gradients add up to the batch mean).
     """
     if dp:
-        grads_fn = per_example_grads(loss_fn)
+        grads_fn = per_example_grads(loss_fn) if per_example == "jaxdp" else _reference_grads_fn(loss_fn)
 
         @nnx.jit
         def dp_step(model, optimizer, batch):
@@ -240,8 +260,9 @@ def validate_config(config) -> None:
              f"config.dp.clipping must be 'flat' or 'per_layer', got {dp.clipping!r}")
     _require(dp.clip_fn in ("abadi", "automatic"),
              f"config.dp.clip_fn must be 'abadi' or 'automatic', got {dp.clip_fn!r}")
-    _require(dp.strategy in ("auto", "ghost", "instantiate"),
-             f"config.dp.strategy must be 'auto', 'ghost' or 'instantiate', got {dp.strategy!r}")
+    strategies = norms_lib.STRATEGIES + ("reference",)
+    _require(dp.strategy in strategies,
+             f"config.dp.strategy must be one of {strategies}, got {dp.strategy!r}")
     _require(dp.overflow in OVERFLOW_MODES,
              f"config.dp.overflow must be one of {OVERFLOW_MODES}, got {dp.overflow!r}")
     if dp.enabled:
@@ -288,6 +309,10 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     cfg_json = _config_json(config)
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"config.workdir {workdir} exists and is not a directory")
+    try:
+        docs = data_lib.load_documents(config.data.path)
+    except ValueError as e:
+        raise ConfigError(f"config.data.path: {e}") from None
     saved = workdir / CONFIG_FILE
     if saved.is_file():
         old = json.loads(saved.read_text())
@@ -297,10 +322,6 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
             raise ConfigError(
                 f"workdir {workdir} holds a run with a different config (differs in: "
                 f"{', '.join(diff[:5])}); pass a new --config.workdir to start another run")
-    try:
-        docs = data_lib.load_documents(config.data.path)
-    except ValueError as e:
-        raise ConfigError(f"config.data.path: {e}") from None
     tok_dir = workdir / TOKENIZER_DIR
     try:
         if (tok_dir / "tokenizer.json").is_file():
@@ -530,7 +551,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     _write_metrics(workdir, rows)
     initial_val_loss = rows[0]["val_loss"]
 
-    step_fn = make_train_step(dp)
+    step_fn = make_train_step(dp, per_example="reference" if config.dp.strategy == "reference" else "jaxdp")
     progress = _Progress(config.steps, verbose)
     tokens_done, t_first, window_losses = 0, None, []
     stop_reason = None

@@ -20,7 +20,7 @@ def get_config() -> config_dict.ConfigDict:
     c.num_samples = 3                    # continuations of validation prompts written to samples.txt
     c.sample_tokens = 48                 # tokens generated per sample
 
-    c.batch_size = 64                    # EXPECTED logical batch size q * N (Poisson sampling)
+    c.batch_size = 48                    # EXPECTED logical batch size q * N (Poisson sampling)
     c.max_batch_size = config_dict.placeholder(int)  # padded batch size; None: overflow prob < 1e-9
     c.accumulation_steps = 1             # micro-batches per logical batch (max_batch_size is split)
     c.seq_len = 128                      # tokens per window (a DP record has seq_len + 1 tokens)
@@ -56,7 +56,7 @@ def get_config() -> config_dict.ConfigDict:
     c.dp.l2_norm_clip = 1.0              # C, the bound on each window's gradient
     c.dp.clipping = "flat"               # "flat" | "per_layer"
     c.dp.clip_fn = "abadi"               # "abadi" | "automatic"
-    c.dp.strategy = "auto"               # per-example norm method: "auto" | "ghost" | "instantiate"
+    c.dp.strategy = "auto"               # per-example norms: "auto" | "ghost" | "instantiate"; "reference": vmap baseline
     c.dp.overflow = "truncate"           # Poisson draw above max_batch_size: "truncate" | "resample" | "error"
     c.lock()
     return c

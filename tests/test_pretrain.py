@@ -1,0 +1,334 @@
+"""The pretraining job (jaxdp.training, experiments/pretrain_gpt2.py) on a tiny config.
+
+Properties: an end-to-end CLI run leaves a complete run directory; an
+interrupted run (stopped in-process, or SIGKILLed) resumed by rerunning gives
+exactly the metrics and parameters of an uninterrupted one; same config and
+seed give identical metrics; the privacy budget stops training before it is
+exceeded; bad input exits non-zero with one line and leaves a run directory
+untouched.
+"""
+
+import gzip
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from experiments.configs import default
+from jaxdp import training
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CORPUS = REPO / "jaxdp" / "corpora" / "sotu.jsonl.gz"
+
+TINY = {
+    "steps": 6, "checkpoint_every": 2, "log_every": 1, "eval_every": 2, "eval_windows": 16,
+    "eval_batch_size": 8, "num_samples": 1, "sample_tokens": 4, "batch_size": 8,
+    "seq_len": 16, "learning_rate": 1e-2, "warmup_steps": 1,
+    "model.n_layer": 1, "model.n_head": 2, "model.d_model": 32, "model.max_seq_len": 16,
+    "data.tokenizer": "bpe300",
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small real-text corpus: 12 State of the Union addresses, 4000 characters each."""
+    d = tmp_path_factory.mktemp("corpus")
+    with gzip.open(CORPUS, "rt") as f:
+        docs = [json.loads(line)["text"][:4000] for _, line in zip(range(12), f)]
+    path = d / "tiny.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    return path
+
+
+def tiny_config(corpus, workdir, **overrides):
+    c = default.get_config()
+    settings = dict(TINY, **{"workdir": str(workdir), "data.path": str(corpus),
+                             "data.cache_dir": str(pathlib.Path(corpus).parent / "cache")})
+    settings.update({k.replace("__", "."): v for k, v in overrides.items()})
+    for key, value in settings.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        setattr(node, leaf, value)
+    return c
+
+
+def cli_args(config_overrides: dict) -> list[str]:
+    return [f"--config.{k}={v}" for k, v in config_overrides.items()]
+
+
+def tiny_cli_overrides(corpus, workdir, **extra):
+    d = dict(TINY, workdir=str(workdir), **{"data.path": str(corpus),
+                                            "data.cache_dir": str(pathlib.Path(corpus).parent / "cache")})
+    d.update(extra)
+    return d
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    """CLI subprocesses share compiled programs through JAX's persistent cache."""
+    global _CLI_ENV
+    _CLI_ENV = dict(os.environ, JAX_PLATFORMS="cpu",
+                    JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+
+_CLI_ENV = None
+
+
+def run_cli(args, module="experiments.pretrain_gpt2", **kw):
+    env = _CLI_ENV
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300, **kw)
+
+
+def params_of(workdir):
+    model, _, _ = training.load_for_generation(workdir)
+    from flax import nnx
+    import jax
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+# ------------------------------------------------------------------ library runs
+
+
+@pytest.fixture(scope="module")
+def reference_run(corpus, tmp_path_factory):
+    """An uninterrupted DP run of the tiny config."""
+    workdir = tmp_path_factory.mktemp("reference")
+    summary = training.train(tiny_config(corpus, workdir), verbose=False)
+    return workdir, summary
+
+
+def test_run_directory_and_learning(reference_run):
+    workdir, summary = reference_run
+    names = ["config.json", "metrics.jsonl", "summary.json", "samples.txt", "tokenizer/tokenizer.json"]
+    if importlib.util.find_spec("matplotlib") is not None:  # plots are skipped without it
+        names += ["loss.png", "epsilon.png"]
+    for name in names:
+        assert (workdir / name).is_file(), name
+    rows = training.read_metrics(workdir)
+    assert [r["step"] for r in rows] == list(range(0, 7))
+    assert all({"step", "train_loss", "epsilon"} <= r.keys() for r in rows)
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 2, 4, 6]
+    eps = [r["epsilon"] for r in rows]
+    assert eps == sorted(eps) and 0 < eps[-1] <= 8.0
+    assert summary["epsilon"] == eps[-1] and summary["steps"] == 6
+    assert summary["val_loss"] < summary["initial_val_loss"]
+    assert summary["delta"] == pytest.approx(1 / summary["num_train_windows"])
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["6"]  # only the latest is kept
+
+
+def test_vmap_reference_path_reaches_the_same_losses(reference_run, corpus, tmp_path):
+    """FlashDP's check in miniature: dp.strategy="reference" (vmap per-example grads) trains the same."""
+    workdir, _ = reference_run
+    training.train(tiny_config(corpus, tmp_path / "vmap", **{"dp__strategy": "reference"}), verbose=False)
+    ours, ref = training.read_metrics(workdir), training.read_metrics(tmp_path / "vmap")
+    assert [r["step"] for r in ours] == [r["step"] for r in ref]
+    for a, b in zip(ours, ref):
+        for key in ("train_loss", "val_loss"):
+            if a.get(key) is not None:
+                assert abs(a[key] - b[key]) < 1e-4, (a["step"], key, a[key], b[key])
+
+
+def test_same_config_same_metrics(reference_run, corpus, tmp_path):
+    workdir, _ = reference_run
+    training.train(tiny_config(corpus, tmp_path / "again"), verbose=False)
+    assert ((tmp_path / "again" / "metrics.jsonl").read_bytes()
+            == (workdir / "metrics.jsonl").read_bytes())
+
+
+def test_different_seed_different_metrics(reference_run, corpus, tmp_path):
+    workdir, _ = reference_run
+    training.train(tiny_config(corpus, tmp_path / "seed1", seed=1, steps=2), verbose=False)
+    a = training.read_metrics(workdir)[2]["train_loss"]
+    assert training.read_metrics(tmp_path / "seed1")[2]["train_loss"] != a
+
+
+@pytest.mark.parametrize("dp,accumulation", [(True, 1), (True, 2), (False, 2)],
+                         ids=["dp", "dp_accumulation", "non_dp_accumulation"])
+def test_interrupt_and_resume_equals_uninterrupted(corpus, tmp_path, dp, accumulation):
+    kw = {"dp.enabled": dp, "accumulation_steps": accumulation}
+    full = tmp_path / "full"
+    training.train(tiny_config(corpus, full, **kw), verbose=False)
+    resumed = tmp_path / "resumed"
+    # Stopped after step 3: the checkpoint is at step 2, metrics of step 3 are already written.
+    out = training.train(tiny_config(corpus, resumed, **kw), interrupt_after=3, verbose=False)
+    assert out == {"interrupted_at": 3}
+    assert training.read_metrics(resumed)[-1]["step"] == 3
+    training.train(tiny_config(corpus, resumed, **kw), verbose=False)
+    assert (resumed / "metrics.jsonl").read_bytes() == (full / "metrics.jsonl").read_bytes()
+    for a, b in zip(params_of(full), params_of(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+    if dp:
+        # epsilon of 6 steps, counted once
+        s = json.loads((resumed / "summary.json").read_text())
+        assert s["epsilon"] == json.loads((full / "summary.json").read_text())["epsilon"]
+
+
+def test_rerunning_a_finished_run_changes_nothing(reference_run, corpus):
+    workdir, summary = reference_run
+    before = (workdir / "metrics.jsonl").read_bytes()
+    again = training.train(tiny_config(corpus, workdir), verbose=False)
+    assert (workdir / "metrics.jsonl").read_bytes() == before
+    assert again["val_loss"] == summary["val_loss"] and again["epsilon"] == summary["epsilon"]
+
+
+def test_budget_stops_before_exceeding_target(corpus, tmp_path):
+    # A fixed small sigma with a small target: the budget runs out within `steps`.
+    c = tiny_config(corpus, tmp_path / "budget", steps=50, checkpoint_every=10, log_every=1,
+                    eval_every=10, **{"dp.noise_multiplier": 0.7, "dp.target_epsilon": 1.0})
+    summary = training.train(c, verbose=False)
+    assert 0 < summary["steps"] < 50
+    assert "privacy budget" in summary["stop_reason"]
+    assert summary["epsilon"] <= 1.0
+    from jaxdp import accounting
+    over = accounting.epsilon(0.7, summary["sampling_probability"], summary["steps"] + 1,
+                              summary["delta"])
+    assert over > 1.0  # one more step would have exceeded it
+
+
+def test_non_dp_baseline_has_no_epsilon(corpus, tmp_path):
+    summary = training.train(tiny_config(corpus, tmp_path / "nondp", steps=2,
+                                         **{"dp.enabled": False}), verbose=False)
+    assert summary["epsilon"] == float("inf") and summary["noise_multiplier"] is None
+    assert all(r["epsilon"] is None for r in training.read_metrics(tmp_path / "nondp"))
+
+
+# ------------------------------------------------------------------ bad input (library)
+
+
+def _existing_run_dir(path):
+    path.mkdir()
+    (path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (path / "keep.txt").write_text("precious")
+    return {p.name: p.read_bytes() for p in path.iterdir()}
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"data.path": "/nonexistent/corpus.txt"}, "does not exist"),
+    ({"seq_len": 32}, "max_seq_len"),
+    ({"batch_size": 0}, "batch_size"),
+    ({"steps": -3}, "steps"),
+    ({"dp.target_epsilon": -1.0}, "target_epsilon"),
+    ({"dp.l2_norm_clip": 0.0}, "l2_norm_clip"),
+    ({"dp.clipping": "per_example"}, "clipping"),
+    ({"checkpoint_every": 3, "log_every": 2}, "log_every"),
+    ({"batch_size": 10**7}, "batch_size"),
+    ({"seq_len": 16, "model.max_seq_len": 16, "data.validation_fraction": 1e-9}, None),
+])
+def test_bad_config_is_rejected_before_touching_workdir(corpus, tmp_path, overrides, needle):
+    workdir = tmp_path / "run"
+    before = _existing_run_dir(workdir)
+    c = tiny_config(corpus, workdir, **overrides)
+    if needle is None:  # a valid config: prepare() must still not write
+        training.prepare(c)
+    else:
+        with pytest.raises(training.ConfigError, match=needle) as e:
+            training.prepare(c)
+        assert "\n" not in str(e.value)
+    assert {p.name: p.read_bytes() for p in workdir.iterdir()} == before
+
+
+def test_empty_corpus_is_rejected(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    with pytest.raises(training.ConfigError, match="no text"):
+        training.prepare(tiny_config(empty, tmp_path / "run"))
+
+
+def test_changed_config_in_existing_run_is_rejected(reference_run, corpus):
+    workdir, _ = reference_run
+    with pytest.raises(training.ConfigError, match="different config.*learning_rate"):
+        training.prepare(tiny_config(corpus, workdir, learning_rate=0.5))
+
+
+# ------------------------------------------------------------------ the CLI
+
+
+@pytest.fixture(scope="module")
+def cli_run(corpus, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("cli") / "run"
+    overrides = tiny_cli_overrides(corpus, workdir, steps=12)
+    proc = run_cli(cli_args(overrides))
+    return workdir, overrides, proc
+
+
+def test_cli_end_to_end(cli_run):
+    workdir, _, proc = cli_run
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for word in ("train loss", "val loss", "perplexity", "epsilon", "delta", "sigma", "tokens/s"):
+        assert word in proc.stdout
+    assert "step 12/12" in proc.stderr  # the progress line
+    rows = training.read_metrics(workdir)
+    assert rows[-1]["step"] == 12 and "val_loss" in rows[-1]
+    assert json.loads((workdir / "config.json").read_text())["steps"] == 12
+    assert (workdir / "samples.txt").read_text().count("[continuation]") == 1
+
+
+def test_cli_generate(cli_run):
+    workdir, _, proc = cli_run
+    assert proc.returncode == 0
+    out = run_cli([f"--workdir={workdir}", "--prompt=The Congress", "--num_tokens=5",
+                   "--num_samples=2"], module="experiments.generate")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("The Congress") == 2
+
+
+def test_cli_sigkill_and_rerun_equals_uninterrupted(cli_run, tmp_path):
+    reference, overrides, proc = cli_run
+    assert proc.returncode == 0
+    workdir = tmp_path / "killed"
+    args = cli_args(dict(overrides, workdir=str(workdir)))
+    env = _CLI_ENV
+    child = subprocess.Popen([sys.executable, "-m", "experiments.pretrain_gpt2", *args], cwd=REPO,
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = workdir / "checkpoints"
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline and child.poll() is None:
+            done = [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()] if ckpts.is_dir() else []
+            if done and max(done) >= 4:
+                break
+            time.sleep(0.05)
+        assert child.poll() is None, "the run finished before it could be killed"
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+    killed_at = training.read_metrics(workdir)[-1]["step"]
+    assert killed_at < 12
+    rerun = run_cli(args)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "resuming" in rerun.stderr
+    assert (workdir / "metrics.jsonl").read_bytes() == (reference / "metrics.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"data.path": "/nonexistent/dir"}, "does not exist"),
+    ({"seq_len": 64}, "max_seq_len"),
+    ({"dp.target_epsilon": 0.0}, "target_epsilon"),
+])
+def test_cli_bad_input_one_line_and_run_dir_intact(cli_run, extra, needle):
+    workdir, overrides, proc = cli_run
+    assert proc.returncode == 0
+    before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    out = run_cli(cli_args(dict(overrides, **extra)))
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], out.stderr[-2000:]
+    assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
+
+
+def test_cli_mistyped_key_fails_with_suggestion(tmp_path):
+    out = run_cli([f"--config.workdir={tmp_path / 'run'}", "--config.dp.target_epsilom=3"])
+    assert out.returncode != 0
+    assert "target_epsilon" in out.stderr  # ml_collections suggests the close key
+    assert not (tmp_path / "run").exists()
