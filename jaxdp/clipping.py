@@ -65,15 +65,20 @@ def clip_factors(norms_B: jax.Array, threshold: float, clip_fn: str, gamma: floa
     return threshold / (norms_B + gamma)
 
 
-def clipped_sum(grad: FactoredGrad, c_B: jax.Array, keep_B: jax.Array) -> jax.Array:
+def clipped_sum(grad: FactoredGrad, c_B: jax.Array, keep_B: jax.Array, *, pallas: bool = False) -> jax.Array:
     """sum_b c_b G_b of one parameter; examples with keep_B False contribute exact zeros.
 
-    A linear term is one GEMM x^T diag(c) g with K = B*T; an embedding term
-    one scatter-add of the scaled rows.
+    A linear term is one GEMM x^T diag(c) g with K = B*T (with `pallas`, the
+    `jaxdp.pallas.linear_clipped_sum` kernel, scale fused into the load); an
+    embedding term one scatter-add of the scaled rows.
     """
     total = None
     for term in grad.terms:
-        if isinstance(term, LinearTerm):
+        if isinstance(term, LinearTerm) and pallas:
+            from jaxdp import pallas as pallas_lib  # imports jax.experimental.pallas only when used
+            part = pallas_lib.linear_clipped_sum(term.x_BTP, term.g_BTD, jnp.where(keep_B, c_B, 0))
+            part = part.astype(jnp.promote_types(jnp.result_type(term.x_BTP, term.g_BTD), c_B.dtype))
+        elif isinstance(term, LinearTerm):
             dt = jnp.promote_types(jnp.result_type(term.x_BTP, term.g_BTD), c_B.dtype)
             x = jnp.where(keep_B[:, None, None], term.x_BTP, 0)
             g = jnp.where(keep_B[:, None, None], term.g_BTD.astype(dt) * c_B[:, None, None].astype(dt), 0)

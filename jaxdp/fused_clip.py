@@ -65,7 +65,9 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     keep_B = jnp.all(jnp.stack([jnp.isfinite(n) for n in norms.values()]), axis=0)
     factors = {g: jnp.where(keep_B, clipping_lib.clip_factors(n, thresholds[g], clip_fn, gamma), 0)
                for g, n in norms.items()}
-    sums = [clipping_lib.clipped_sum(grad, factors[group], keep_B) for grad, group in zip(factored, groups)]
+    pallas = strategy == "pallas"
+    sums = [clipping_lib.clipped_sum(grad, factors[group], keep_B, pallas=pallas)
+            for grad, group in zip(factored, groups)]
     return jax.tree.unflatten(treedef, sums), norms
 
 
@@ -114,7 +116,9 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
         parameter's path without its own name), or a callable path -> group key.
       clip_fn: "abadi" (min(1, C_g/n)) or "automatic" (C_g / (n + gamma)).
       strategy: per-example norm method: "ghost", "instantiate" or "auto"
-        (per layer, from the FLOP / memory cost model in `jaxdp.norms`).
+        (per layer, from the FLOP / memory cost model in `jaxdp.norms`), or
+        "pallas": linear layers' norms and clipped sums by the `jaxdp.pallas`
+        kernels (Pallas interpreter on CPU), everything else as "auto".
       accumulation_steps: micro-batches per logical batch; clipped sums are
         accumulated and noise is added once, on the last. To keep the
         optimizer still on the other micro-steps, wrap it:

@@ -17,6 +17,9 @@ Gram matrix never exceeds `chunk_size` x T^2.
 
 `strategy="auto"` picks ghost or instantiate per pair from `pair_cost`: the
 fewer FLOPs among the choices whose scratch memory fits `memory_budget_bytes`.
+`strategy="pallas"` computes Linear self pairs with the Pallas kernels of
+`jaxdp.pallas` (ghost or instantiate by FLOPs alone: neither kernel writes
+scratch to memory; interpreted on CPU) and every other pair as "auto".
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxdp.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm, Term
 
-STRATEGIES = ("ghost", "instantiate", "auto")
+STRATEGIES = ("ghost", "instantiate", "auto", "pallas")
 DEFAULT_CHUNK_SIZE = 8
 DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 
@@ -184,9 +187,22 @@ def _method(strategy, kind, a, b, chunk_size, memory_budget_bytes):
                          memory_budget_bytes=memory_budget_bytes)
 
 
+def _linear_self_pallas(term: LinearTerm, chunk_size: int) -> jax.Array:
+    """||x_b^T g_b||^2 by a Pallas kernel: ghost (Gram tiles) or instantiate (G tiles), fewer FLOPs."""
+    from jaxdp import pallas as pallas_lib  # imports jax.experimental.pallas only when used
+    method = _method("auto", "linear", term, term, chunk_size, math.inf)
+    if method == "ghost":
+        return pallas_lib.linear_ghost_sq_norms(term.x_BTP, term.g_BTD)
+    return pallas_lib.linear_sq_norms(term.x_BTP, term.g_BTD)
+
+
 def pair_inner(a: Term, b: Term, strategy: str = "auto", *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> jax.Array:
     """Per-example inner products <a[b], b[b]> of two terms of one parameter, shape (B,)."""
+    if strategy == "pallas":
+        if isinstance(a, LinearTerm) and a is b:
+            return _linear_self_pallas(a, chunk_size)
+        strategy = "auto"
     if isinstance(b, DenseTerm) and not isinstance(a, DenseTerm):
         a, b = b, a
     if isinstance(a, DenseTerm):

@@ -1,0 +1,71 @@
+"""Shared pieces of the Pallas (Triton backend) kernels: block sizes, masked tile loads, dispatch.
+
+Every kernel reads whole-array refs and loads power-of-two tiles with masks
+(`plgpu.load(ref.at[pl.ds(...), pl.ds(...)], mask=..., other=0)`), so odd
+sizes need no padding copy of the inputs: out-of-range rows and columns load
+as zeros, which contribute nothing to any sum of products. Triton's `tl.dot`
+needs every tile dimension >= 16 and a power of two; `block` enforces both.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+IMPLEMENTATIONS = ("pallas", "xla")
+MIN_BLOCK = 16  # tl.dot's smallest tile edge
+
+
+def check_implementation(implementation: str) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """None: interpret exactly when the default backend is the CPU (no Triton there)."""
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
+def block(dim: int, preferred: int) -> int:
+    """A power-of-two tile edge >= 16, no larger than `preferred` or than `dim` rounded up."""
+    if preferred < MIN_BLOCK or preferred & (preferred - 1):
+        raise ValueError(f"block sizes must be powers of two >= {MIN_BLOCK}, got {preferred}")
+    return max(MIN_BLOCK, min(preferred, pl.next_power_of_2(dim)))
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 2):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def load_tile(ref, row0, rows: int, col0, cols: int):
+    """ref[row0:row0+rows, col0:col0+cols] of a 2-D ref, zeros outside the array."""
+    n_rows, n_cols = ref.shape
+    r = row0 + jnp.arange(rows)
+    c = col0 + jnp.arange(cols)
+    mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
+    return plgpu.load(ref.at[pl.ds(row0, rows), pl.ds(col0, cols)], mask=mask, other=0)
+
+
+def store_tile(ref, row0, rows: int, col0, cols: int, value):
+    n_rows, n_cols = ref.shape
+    r = row0 + jnp.arange(rows)
+    c = col0 + jnp.arange(cols)
+    mask = (r < n_rows)[:, None] & (c < n_cols)[None, :]
+    plgpu.store(ref.at[pl.ds(row0, rows), pl.ds(col0, cols)], value.astype(ref.dtype), mask=mask)
+
+
+def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
+    """Tile product with float32 accumulation; float32 tiles in IEEE precision (no TF32)."""
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False)
+
+
+def compute_dtype(*arrays):
+    """The dtype tiles enter the tensor cores in: bf16 / f16 stay, anything else float32."""
+    dt = jnp.result_type(*arrays)
+    return dt if dt in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+
+
+def f32(a):
+    return jnp.asarray(a).astype(jnp.float32)

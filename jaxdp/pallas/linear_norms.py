@@ -1,0 +1,87 @@
+"""Per-example squared norms of a linear layer's gradient, ||x_b^T g_b||_F^2, by instantiation on chip.
+
+Algorithm: grid (b, P-tile i, D-tile j). Program (b, i, j) accumulates the
+(bp, bd) tile G_b[i, j] = sum_t x_b[t, i]^T g_b[t, j] over T in tiles of bt
+(float32 accumulator in registers), squares and sums it, and writes ONE float
+per program: partials (B, nP, nD). The wrapper sums the partials. No
+per-example gradient ever reaches HBM.
+
+Cost for B examples: FLOPs 2 B T P D (the GEMM) + 2 B P D (squares), the same
+as the layer's non-DP weight gradient. HBM bytes: each program re-reads its
+(T, bp) and (T, bd) strips, so x is read nD times and g nP times:
+B T (P nD + D nP) itemsize (L2 absorbs much of it); writes B nP nD floats.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxdp.pallas import _common
+
+BLOCK_T, BLOCK_P, BLOCK_D = 64, 64, 64
+
+
+def _linear_sq_norms_kernel(x_ref, g_ref, partial_ref, *, bt, bp, bd):
+    # x_ref: (T, P) and g_ref: (T, D) of example b; partial_ref: a scalar.
+    T = x_ref.shape[0]
+    i, j = pl.program_id(1), pl.program_id(2)
+
+    def body(k, acc_PD):
+        x = _common.load_tile(x_ref, k * bt, bt, i * bp, bp)
+        g = _common.load_tile(g_ref, k * bt, bt, j * bd, bd)
+        return acc_PD + _common.dot(x, g, trans_a=True)
+
+    acc_PD = lax.fori_loop(0, pl.cdiv(T, bt), body, jnp.zeros((bp, bd), jnp.float32))
+    partial_ref[...] = jnp.sum(acc_PD * acc_PD)
+
+
+def _linear_sq_norms_pallas(x_BTP, g_BTD, *, block_t, block_p, block_d, interpret, num_warps):
+    B, T, P = x_BTP.shape
+    D = g_BTD.shape[-1]
+    bt, bp, bd = _common.block(T, block_t), _common.block(P, block_p), _common.block(D, block_d)
+    nP, nD = pl.cdiv(P, bp), pl.cdiv(D, bd)
+    dt = _common.compute_dtype(x_BTP, g_BTD)
+    partials = pl.pallas_call(
+        functools.partial(_linear_sq_norms_kernel, bt=bt, bp=bp, bd=bd),
+        out_shape=jax.ShapeDtypeStruct((B, nP, nD), jnp.float32),
+        grid=(B, nP, nD),
+        in_specs=[pl.BlockSpec((None, T, P), lambda b, i, j: (b, 0, 0)),
+                  pl.BlockSpec((None, T, D), lambda b, i, j: (b, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, None), lambda b, i, j: (b, i, j)),
+        compiler_params=_common.compiler_params(num_warps=num_warps),
+        interpret=_common.resolve_interpret(interpret),
+        name="linear_sq_norms",
+    )(x_BTP.astype(dt), g_BTD.astype(dt))
+    return jnp.sum(partials, axis=(1, 2))
+
+
+def linear_sq_norms(x_BTP: jax.Array, g_BTD: jax.Array, *, implementation: str = "pallas",
+                    block_t: int = BLOCK_T, block_p: int = BLOCK_P, block_d: int = BLOCK_D,
+                    interpret: bool | None = None, num_warps: int = 4) -> jax.Array:
+    """Per-example squared Frobenius norms ||x_b^T g_b||^2, shape (B,), float32.
+
+    Args:
+      x_BTP: layer inputs (B, T, P); g_BTD: output gradients (B, T, D); any float dtype.
+      implementation: "pallas" (the kernel; never writes per-example gradients) or
+        "xla" (einsum per example in float32, materialises (B, P, D)).
+      block_t, block_p, block_d: tile edges (powers of two >= 16), clipped to the sizes.
+      interpret: run the kernel in the Pallas interpreter; None = on CPU only.
+    """
+    _common.check_implementation(implementation)
+    if implementation == "xla":
+        return linear_sq_norms_reference(x_BTP, g_BTD)
+    return _linear_sq_norms_pallas(x_BTP, g_BTD, block_t=block_t, block_p=block_p, block_d=block_d,
+                                   interpret=interpret, num_warps=num_warps)
+
+
+def linear_sq_norms_reference(x_BTP: jax.Array, g_BTD: jax.Array, **unused) -> jax.Array:
+    """Plain jnp, float32: instantiate G_b = x_b^T g_b and sum its squares."""
+    del unused
+    G_BPD = jnp.einsum("btp,btd->bpd", _common.f32(x_BTP), _common.f32(g_BTD),
+                       precision=lax.Precision.HIGHEST)
+    return jnp.sum(G_BPD * G_BPD, axis=(1, 2))
