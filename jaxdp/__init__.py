@@ -4,8 +4,11 @@ from jaxdp import accounting
 from jaxdp import data
 from jaxdp import models
 from jaxdp import nn
+from jaxdp import pallas
 from jaxdp import reference
 from jaxdp import sampling
+from jaxdp import sharding
+from jaxdp import training
 from jaxdp.clipping import group_thresholds
 from jaxdp.fused_clip import FusedClipState
 from jaxdp.fused_clip import clipped_aggregate
@@ -32,8 +35,11 @@ __all__ = [
     "group_thresholds",
     "models",
     "nn",
+    "pallas",
     "per_example_grads",
     "reference",
     "sampling",
+    "sharding",
     "squared_norms",
+    "training",
 ]

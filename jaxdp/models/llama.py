@@ -1,0 +1,205 @@
+"""Llama 3.x (Grattafiori et al. 2024, arXiv:2407.21783) from jaxdp layers.
+
+Pre-RMSNorm blocks, rotary position embeddings (RoPE, rotate-half layout as
+the Hugging Face checkpoints, with Llama 3.1 frequency scaling), SwiGLU MLP,
+grouped-query attention through `jax.nn.dot_product_attention`, no biases.
+The output head is a separate `jaxdp.nn.Linear` (untied) unless
+`tie_embeddings=True` (Llama 3.2 1B / 3B tie it), in which case the token
+embedding's `attend` is the head. Every parameter has a per-example gradient
+rule, so `jaxdp.per_example_grads` needs no fallback.
+
+Context parallelism: inside `jaxdp.sharding.context.sequence_sharded(axis)`
+(set up by the sharded train step) the tokens are one shard of the sequence;
+positions are offset by the shard index, and attention all-gathers keys and
+values over `axis` with a causal mask on global positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdp import nn
+from jaxdp.sharding import context
+
+PRESETS = {
+    # name: (n_layer, n_head, n_kv_head, d_model, d_ff, tie_embeddings, rope_scaling)
+    "tiny": (2, 4, 2, 64, 128, False, None),
+    "1B": (16, 32, 8, 2048, 8192, True, 32.0),     # Llama 3.2 1B: 1,235,814,400
+    "3B": (28, 24, 8, 3072, 8192, True, 32.0),     # Llama 3.2 3B: 3,212,749,824
+    "8B": (32, 32, 8, 4096, 14336, False, 8.0),    # Llama 3.1 8B: 8,030,261,248
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 128256
+    seq_len: int = 131072          # maximum sequence length
+    n_layer: int = 16
+    n_head: int = 32
+    n_kv_head: int = 8             # grouped-query attention: n_head % n_kv_head == 0
+    d_model: int = 2048
+    d_ff: int = 8192               # SwiGLU hidden width
+    rope_theta: float = 500000.0
+    rope_scaling: float | None = 32.0  # Llama 3.1 "llama3" scaling factor; None: plain RoPE
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    dtype: str = "float32"         # compute dtype: "float32" | "bfloat16"; parameters stay float32
+    remat: bool = False            # nnx.remat every transformer block
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LlamaConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"LlamaConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"LlamaConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError(f"LlamaConfig.d_model // n_head must be even for RoPE, got {self.d_model // self.n_head}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if self.rope_scaling is not None and self.rope_scaling < 1:
+            raise ValueError(f"LlamaConfig.rope_scaling must be None or >= 1, got {self.rope_scaling}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.dtype not in ("float32", "bfloat16", "float64"):
+            raise ValueError(f"LlamaConfig.dtype must be 'float32', 'bfloat16' or 'float64', got {self.dtype!r}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> LlamaConfig:
+        """`LlamaConfig.preset("1B", seq_len=4096)`; names: tiny, 1B, 3B, 8B."""
+        if name not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
+        n_layer, n_head, n_kv_head, d_model, d_ff, tie, scaling = PRESETS[name]
+        if name == "tiny":
+            overrides = dict(dict(vocab_size=256, seq_len=64, rope_theta=10000.0), **overrides)
+        return cls(**dict(dict(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, d_model=d_model,
+                               d_ff=d_ff, tie_embeddings=tie, rope_scaling=scaling), **overrides))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def num_params(self) -> int:
+        d, kv = self.d_model, self.n_kv_head * self.head_dim
+        block = 2 * d + 2 * d * d + 2 * d * kv + 3 * d * self.d_ff
+        head = 0 if self.tie_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.n_layer * block + d + head
+
+
+def rope_frequencies(config: LlamaConfig) -> jax.Array:
+    """Inverse frequencies (head_dim / 2,), with Llama 3.1 scaling when `rope_scaling` is set."""
+    H = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    if config.rope_scaling is None:
+        return inv_freq
+    factor, low, high, original = config.rope_scaling, 1.0, 4.0, 8192.0
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x_BTNH: jax.Array, positions_T: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE in float32, returned in x's dtype."""
+    angles_TF = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos = jnp.concatenate([jnp.cos(angles_TF)] * 2, axis=-1)[None, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles_TF)] * 2, axis=-1)[None, :, None, :]
+    xf = x_BTNH.astype(jnp.promote_types(x_BTNH.dtype, jnp.float32))
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * cos + rotated * sin).astype(x_BTNH.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        d, dtype, H = config.d_model, jnp.dtype(config.dtype), config.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, H
+        linear = lambda i, o: nn.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
+        self.q_proj = linear(d, config.n_head * H)
+        self.k_proj = linear(d, config.n_kv_head * H)
+        self.v_proj = linear(d, config.n_kv_head * H)
+        self.o_proj = nn.Linear(config.n_head * H, d, use_bias=False, dtype=dtype, rngs=rngs,
+                                kernel_init=nnx.initializers.normal(0.02 / math.sqrt(2 * config.n_layer)))
+
+    def __call__(self, x_BTD, positions_T, inv_freq):
+        B, T, _ = x_BTD.shape
+        q_BTNH = apply_rope(self.q_proj(x_BTD).reshape(B, T, self.n_head, self.head_dim), positions_T, inv_freq)
+        k_BTKH = apply_rope(self.k_proj(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim), positions_T, inv_freq)
+        v_BTKH = self.v_proj(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
+        if context.seq_axis() is None:
+            y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
+        else:
+            # Context parallel: keys / values of every shard, causal on global positions.
+            k_BSKH, v_BSKH = context.gather_sequence(k_BTKH), context.gather_sequence(v_BTKH)
+            key_positions_S = jnp.arange(k_BSKH.shape[1])
+            mask_TS = positions_T[:, None] >= key_positions_S[None, :]
+            y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_TS[None, None])
+        return self.o_proj(y_BTNH.reshape(B, T, self.n_head * self.head_dim))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        d, f, dtype = config.d_model, config.d_ff, jnp.dtype(config.dtype)
+        self.gate_proj = nn.Linear(d, f, use_bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = nn.Linear(d, f, use_bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = nn.Linear(f, d, use_bias=False, dtype=dtype, rngs=rngs,
+                                   kernel_init=nnx.initializers.normal(0.02 / math.sqrt(2 * config.n_layer)))
+
+    def __call__(self, x_BTD):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+
+
+class Block(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        self.input_layernorm = nn.RMSNorm(config.d_model, epsilon=config.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = nn.RMSNorm(config.d_model, epsilon=config.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_T, inv_freq):
+        x_BTD = x_BTD + self.attn(self.input_layernorm(x_BTD), positions_T, inv_freq)
+        return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
+
+
+def _apply_block(block, x_BTD, positions_T, inv_freq):
+    return block(x_BTD, positions_T, inv_freq)
+
+
+class Llama(nnx.Module):
+    """`Llama(config, rngs=nnx.Rngs(seed))(tokens_BT) -> logits_BTV` (float32 logits)."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        self.config = config
+        self.embed_tokens = nn.Embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layer)])
+        self.norm = nn.RMSNorm(config.d_model, epsilon=config.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(
+            config.d_model, config.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        _, T = tokens_BT.shape
+        if context.global_seq_len(T) > self.config.seq_len:
+            raise ValueError(f"sequence length {context.global_seq_len(T)} exceeds "
+                             f"LlamaConfig.seq_len={self.config.seq_len}")
+        positions_T = context.seq_offset(T) + jnp.arange(T)
+        inv_freq = rope_frequencies(self.config)
+        x_BTD = self.embed_tokens(tokens_BT)
+        apply = nnx.remat(_apply_block) if self.config.remat else _apply_block
+        for block in self.blocks:
+            x_BTD = apply(block, x_BTD, positions_T, inv_freq)
+        h_BTD = self.norm(x_BTD)
+        logits_BTV = self.embed_tokens.attend(h_BTD) if self.lm_head is None else self.lm_head(h_BTD)
+        return logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))

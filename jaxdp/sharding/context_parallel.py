@@ -1,0 +1,92 @@
+"""Per-example norms and clipped sums when the sequence is sharded (context parallelism).
+
+Under context parallelism a device holds a slice of every example's tokens,
+so each linear layer's factored gradient `(x_s, g_s)` gives a PARTIAL
+per-example gradient `G_b^s = x_{b,s}^T g_{b,s}`; the true one is
+`G_b = sum_s G_b^s`. Norms of partials do not add
+(`|G_b|^2 != sum_s |G_b^s|^2`), so:
+
+- Linear / dense terms (input-stationary, as LongShield): every shard forms
+  its partial `G_b^s` for a chunk of examples, `psum_scatter`s it over `seq`
+  (each shard then owns 1/S of the exact `G_b`), squares its slice, and the
+  (B,) partial squared norms are `psum`-ed. No device holds a full per-example
+  gradient; the traffic is B * params / S per device per layer, independent
+  of T. (The ghost alternative needs the cross-shard T x T Gram matrices:
+  an all-gather of x and g, T-proportional, and S-fold redundant FLOPs.)
+- Embedding lookups (a (V, D) partial per example would be huge): the ids
+  and output gradients are all-gathered over `seq` (B T (D + 1) floats, the
+  size of one activation) and the exact single-device rule runs on them.
+
+Clipped sums are linear in the partials once the clip factors are known:
+`sum_b c_b G_b = sum_s sum_b c_b G_b^s`, so each shard clips its partial
+terms with the (global, identical) factors and the caller sums over `seq`
+together with the data-parallel reduction.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxdp import clipping as clipping_lib
+from jaxdp import norms as norms_lib
+from jaxdp.fused_clip import flatten_grads
+from jaxdp.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm, instantiate
+
+
+def _gathered(term, axis):
+    gather = lambda a: jax.lax.all_gather(a, axis, axis=1, tiled=True)
+    if isinstance(term, LinearTerm):
+        return LinearTerm(gather(term.x_BTP), gather(term.g_BTD))
+    if isinstance(term, EmbedTerm):
+        return EmbedTerm(gather(term.ids_BT), gather(term.g_BTD), term.num_embeddings)
+    return DenseTerm(jax.lax.psum(term.value_B, axis))
+
+
+def _slice_term(term, start, stop):
+    return jax.tree.map(lambda a: a[start:stop], term)
+
+
+def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
+                  chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE) -> jax.Array:
+    """Exact per-example squared norms (B,) of a gradient whose terms are sequence-shard partials."""
+    if any(isinstance(t, EmbedTerm) for t in grad.terms):
+        full = FactoredGrad(tuple(_gathered(t, axis) for t in grad.terms))
+        return norms_lib.squared_norms(full, strategy, chunk_size=chunk_size)
+    S = jax.lax.axis_size(axis)
+    B = grad.batch_size
+    parts = []
+    for start in range(0, B, chunk_size):
+        stop = min(B, start + chunk_size)
+        partial = sum(instantiate(_slice_term(t, start, stop)).astype(jnp.float32) for t in grad.terms)
+        flat = partial.reshape(stop - start, -1)
+        pad = (-flat.shape[1]) % S
+        if pad:
+            flat = jnp.pad(flat, ((0, 0), (0, pad)))
+        mine = jax.lax.psum_scatter(flat, axis, scatter_dimension=1, tiled=True)
+        parts.append(jnp.sum(mine * mine, axis=1))
+    return jax.lax.psum(jnp.concatenate(parts), axis)
+
+
+def clipped_aggregate(grads, l2_norm_clip: float, axis: str, *, clipping="flat", clip_fn: str = "abadi",
+                      gamma: float = 0.01, strategy: str = "auto", group_weights=None,
+                      chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE):
+    """`jaxdp.clipped_aggregate` for sequence-sharded per-example gradients.
+
+    Returns `(partial_sums, group_norms)`: norms are exact and identical on
+    every `axis` shard; `partial_sums` are this shard's share of the clipped
+    sums (sum them over `axis` for the clipped sums).
+    """
+    paths, factored, treedef = flatten_grads(grads)
+    groups = [clipping_lib.group_of(p, clipping) for p in paths]
+    thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
+    sq_by_group: dict = {}
+    for grad, group in zip(factored, groups):
+        sq = squared_norms(grad, axis, strategy, chunk_size=chunk_size)
+        sq_by_group[group] = sq if group not in sq_by_group else sq_by_group[group] + sq
+    norms = {g: jnp.sqrt(sq) for g, sq in sq_by_group.items()}
+    keep_B = jnp.all(jnp.stack([jnp.isfinite(n) for n in norms.values()]), axis=0)
+    factors = {g: jnp.where(keep_B, clipping_lib.clip_factors(n, thresholds[g], clip_fn, gamma), 0)
+               for g, n in norms.items()}
+    sums = [clipping_lib.clipped_sum(grad, factors[group], keep_B) for grad, group in zip(factored, groups)]
+    return jax.tree.unflatten(treedef, sums), norms

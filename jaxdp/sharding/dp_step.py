@@ -1,0 +1,193 @@
+"""Data- and context-parallel DP training step with ZeRO stages 0-3 (DP-ZeRO, LongShield).
+
+One jitted step over a (data, seq) mesh:
+
+1. `jax.shard_map` over both axes: each device runs `per_example_grads` on
+   its examples (and, with seq > 1, its slice of their tokens), computes the
+   per-example norms of ITS examples (no communication over `data`; over
+   `seq` see `context_parallel`) and their clipped sums.
+2. The clipped sums are summed over the mesh: `psum` (ZeRO 0/1), or a
+   `psum_scatter` over `data` along each tensor's ZeRO dimension (ZeRO 2/3),
+   after a `psum` over `seq`.
+3. Gaussian noise N(0, sigma^2 C^2), once per logical batch, from the step's
+   key exactly as `jaxdp.fused_clip` draws it (`split(key)`, one key per
+   parameter leaf): a replicated gradient gets the SAME noise as one device;
+   a reduce-scattered one draws its shard from `fold_in(leaf_key, shard)`,
+   so no device generates (or holds) the full noise tensor. Then / expected
+   batch size.
+4. The optax optimizer under `jax.jit` with `NamedSharding`s: ZeRO >= 1
+   shards its state over `data`; ZeRO 3 keeps parameters sharded and
+   all-gathers them inside the shard_map for use.
+
+Equivalence: with sigma = 0 the step equals the single-device step of
+`optax.chain(jaxdp.fused_clip(..., seed=s), tx)` up to float summation order;
+with sigma > 0 and ZeRO 0/1 (and replicated leaves under 2/3) it adds the
+same noise. `check_vma=False`: `per_example_grads` creates its zero probes
+inside the shard_map, and under `check_vma=True` their (device-varying)
+cotangents would come back psum-ed over the mesh (the pitfall in DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdp import clipping as clipping_lib
+from jaxdp import norms as norms_lib
+from jaxdp.fused_clip import clipped_aggregate
+from jaxdp.per_example import per_example_grads
+from jaxdp.sharding import context, context_parallel
+from jaxdp.sharding.mesh import DATA, SEQ, param_dims, spec_for
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+class ShardedDPState(NamedTuple):
+    params: Any        # nnx.State of Params; sharded over `data` under ZeRO-3
+    rest: Any          # the model's other state (replicated)
+    opt_state: Any     # sharded over `data` under ZeRO >= 1
+    noise_key: jax.Array
+
+
+class ShardedDPStep:
+    """`step = ShardedDPStep(...)`; `state = step.init(model)`; `state, out = step(state, batch)`.
+
+    `out` holds the per-example `losses` (B,) and the privatised mean gradient
+    `grads` handed to the optimizer. `step.update_model(model, state)` writes
+    the parameters back into an NNX model.
+    """
+
+    def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh, *,
+                 l2_norm_clip: float, noise_multiplier: float, expected_batch_size: float,
+                 seed: int = 0, zero_stage: int = 0, clipping="flat", clip_fn: str = "abadi",
+                 gamma: float = 0.01, strategy: str = "auto", group_weights=None,
+                 chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE):
+        if zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
+        if l2_norm_clip <= 0:
+            raise ValueError(f"l2_norm_clip must be > 0, got {l2_norm_clip}")
+        if noise_multiplier < 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+        if expected_batch_size <= 0:
+            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
+        clipping_lib.check_clipping(clipping)
+        clipping_lib.check_clip_fn(clip_fn)
+        norms_lib.check_strategy(strategy)
+        self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
+        self.zero_stage, self.seed = zero_stage, seed
+        self.noise_std = noise_multiplier * l2_norm_clip
+        self.expected_batch_size = expected_batch_size
+        self.clip_kwargs = dict(clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,
+                                group_weights=group_weights, chunk_size=chunk_size)
+        self.l2_norm_clip = l2_norm_clip
+        self.num_data, self.num_seq = mesh.shape[DATA], mesh.shape[SEQ]
+        self._compiled = None
+
+    # Layout.
+
+    def _layout(self, model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        zero_shards = self.num_data if self.zero_stage >= 1 else 1
+        dims = param_dims(params, zero_shards)
+        opt_shapes = jax.eval_shape(self.tx.init, params)
+        opt_dims = optax.tree_map_params(self.tx, lambda _, d: d, opt_shapes, dims,
+                                         transform_non_params=lambda _: -1)
+        spec = lambda d, a: spec_for(d, np.ndim(a))
+        self.graphdef = graphdef
+        self.dims = dims
+        self.grad_dims = dims if self.zero_stage >= 2 else jax.tree.map(lambda _: -1, dims)
+        self.param_dims = dims if self.zero_stage >= 3 else jax.tree.map(lambda _: -1, dims)
+        self.param_specs = jax.tree.map(spec, self.param_dims, params)
+        self.grad_specs = jax.tree.map(spec, self.grad_dims, params)
+        self.opt_specs = jax.tree.map(spec, opt_dims, opt_shapes)
+        named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                                           is_leaf=lambda x: isinstance(x, P))
+        self.state_shardings = ShardedDPState(
+            named(self.param_specs), jax.tree.map(lambda _: NamedSharding(self.mesh, P()), rest),
+            named(self.opt_specs), NamedSharding(self.mesh, P()))
+        return params, rest
+
+    def init(self, model) -> ShardedDPState:
+        params, rest = self._layout(model)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
+        state = ShardedDPState(params, rest, opt_state, jax.random.key(self.seed))
+        return jax.device_put(state, self.state_shardings)
+
+    def update_model(self, model, state: ShardedDPState) -> None:
+        nnx.update(model, jax.device_get(state.params))
+
+    # The step.
+
+    def batch_spec(self, leaf) -> P:
+        if np.ndim(leaf) >= 2 and self.num_seq > 1:
+            return P(DATA, SEQ)
+        return P(DATA)
+
+    def _local(self, params, rest, batch, leaf_keys):
+        """Per device: per-example grads, clipping, sums over the mesh, noise (inside shard_map)."""
+        if self.zero_stage >= 3:
+            params = jax.tree.map(
+                lambda p, d: p if d < 0 else jax.lax.all_gather(p, DATA, axis=d, tiled=True),
+                params, self.dims)
+        model = nnx.merge(self.graphdef, params, rest)
+        cp_axis = SEQ if self.num_seq > 1 else None
+        with context.sequence_sharded(cp_axis):
+            losses, grads = per_example_grads(self.loss_fn)(model, batch)
+            if cp_axis is None:
+                sums, _ = clipped_aggregate(grads, self.l2_norm_clip, **self.clip_kwargs)
+            else:
+                sums, _ = context_parallel.clipped_aggregate(grads, self.l2_norm_clip, SEQ, **self.clip_kwargs)
+                losses = jax.lax.psum(losses, SEQ)
+        leaves, treedef = jax.tree.flatten(sums)
+        dims = jax.tree.leaves(self.grad_dims)
+        out = []
+        for s, d, key in zip(leaves, dims, leaf_keys):
+            if d < 0:  # one all-reduce over the whole mesh
+                s = jax.lax.psum(s, (DATA, SEQ) if cp_axis is not None else DATA)
+            else:      # seq partials summed, then reduce-scattered over data
+                s = jax.lax.psum(s, SEQ) if cp_axis is not None else s
+                s = jax.lax.psum_scatter(s, DATA, scatter_dimension=d, tiled=True)
+                key = jax.random.fold_in(key, jax.lax.axis_index(DATA))
+            if self.noise_std > 0:
+                s = s + self.noise_std * jax.random.normal(key, s.shape, s.dtype)
+            out.append(s / self.expected_batch_size)
+        return losses, jax.tree.unflatten(treedef, out)
+
+    def _step(self, state: ShardedDPState, batch):
+        key, noise_key = jax.random.split(state.noise_key)
+        num_leaves = len(jax.tree.leaves(state.params))
+        leaf_keys = list(jax.random.split(noise_key, num_leaves))
+        batch_specs = jax.tree.map(self.batch_spec, batch)
+        local = jax.shard_map(
+            self._local, mesh=self.mesh,
+            in_specs=(self.param_specs, jax.tree.map(lambda _: P(), state.rest), batch_specs,
+                      [P()] * num_leaves),
+            out_specs=(P(DATA), self.grad_specs), check_vma=False)
+        losses, grads = local(state.params, state.rest, batch, leaf_keys)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return ShardedDPState(params, state.rest, opt_state, key), {"losses": losses, "grads": grads}
+
+    def _jit(self, batch):
+        if self._compiled is None:
+            named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                                               is_leaf=lambda x: isinstance(x, P))
+            batch_shardings = jax.tree.map(lambda a: NamedSharding(self.mesh, self.batch_spec(a)), batch)
+            out = {"losses": NamedSharding(self.mesh, P(DATA)), "grads": named(self.grad_specs)}
+            self._compiled = jax.jit(self._step, in_shardings=(self.state_shardings, batch_shardings),
+                                     out_shardings=(self.state_shardings, out))
+        return self._compiled
+
+    def __call__(self, state: ShardedDPState, batch):
+        return self._jit(batch)(state, batch)
+
+    def lower(self, state: ShardedDPState, batch):
+        """The lowered step (for `.compile().memory_analysis()` and HLO inspection)."""
+        return self._jit(batch).lower(state, batch)
