@@ -28,9 +28,9 @@ def main(argv):
     del argv
     B, k = FLAGS.value, CHUNK.value
     print(f"B = {B}, chunk = {k}, float32 inputs, memory budget {DEFAULT_MEMORY_BUDGET_BYTES / 2**30:.0f} GiB\n")
-    print("| model | T | layer | P x D | non-DP wgrad GFLOP | ghost GFLOP | ghost scratch MB | "
-          "inst. GFLOP | inst. scratch MB | auto |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | T | layer | P x D | non-DP wgrad GFLOP | ghost GFLOP | ghost HBM MB | ghost scratch MB | "
+          "inst. GFLOP | inst. HBM MB | inst. scratch MB | auto |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in ("small", "medium", "large"):
         config = GPT2Config.preset(name)
         for T in (128, 1024, 4096):
@@ -40,8 +40,9 @@ def main(argv):
                 pick = choose_method(kind, B=B, T=T, P=P, D=D, chunk_size=k)
                 wgrad = f"{2 * B * T * P * D / 1e9:.1f}" if kind == "linear" else "-"
                 print(f"| {name} | {T} | {layer} | {P} x {D} | {wgrad} | "
-                      f"{ghost.flops / 1e9:.1f} | {ghost.scratch_bytes / 1e6:.0f} | "
-                      f"{inst.flops / 1e9:.1f} | {inst.scratch_bytes / 1e6:.0f} | {pick} |")
+                      f"{ghost.flops / 1e9:.1f} | {ghost.bytes_moved / 1e6:.0f} | {ghost.scratch_bytes / 1e6:.0f} | "
+                      f"{inst.flops / 1e9:.1f} | {inst.bytes_moved / 1e6:.0f} | {inst.scratch_bytes / 1e6:.0f} | "
+                      f"{pick} |")
 
 
 if __name__ == "__main__":
