@@ -16,6 +16,15 @@ Outside `per_example_grads` this is the identity. Inside, two passes run:
    transformed function as a side effect.
 
 Integer records (embedding ids) travel as float32; exact below 2**24.
+
+Inside `jax.shard_map(..., check_vma=True)` a custom_vjp's cotangents must
+have the manual-axis type of its inputs, so discover also notes over which
+manual axes `y` and `record` vary, and the slots are created varying over
+the same axes (`varying_like`). A tapped output that does not vary over an
+axis the batch varies over (GPT-2's position embedding) is first marked
+varying over it: otherwise its cotangent would arrive already psum-ed over
+the axis (the transpose of the implicit pvary), i.e. summed over devices.
+Outside shard_map there are no such axes and nothing changes.
 """
 
 from __future__ import annotations
@@ -29,6 +38,17 @@ import jax
 import jax.numpy as jnp
 
 TermsFn = Callable[[jax.Array, jax.Array], dict[str, Any]]
+
+
+def varying_axes(x) -> tuple[str, ...]:
+    """The shard_map manual axes over which `x` varies (empty outside shard_map)."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return tuple(sorted(getattr(mat, "varying", ()) or ()))
+
+
+def varying_like(x, axes: tuple[str, ...]):
+    """`x` marked varying over `axes` (the identity when `axes` is empty)."""
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 @jax.custom_vjp
@@ -58,11 +78,14 @@ class Use:
     y: jax.ShapeDtypeStruct
     record: jax.ShapeDtypeStruct
     record_dtype: Any
+    y_axes: tuple[str, ...] = ()        # manual axes y varies over (inside shard_map)
+    record_axes: tuple[str, ...] = ()
 
 
 class _Tape:
-    def __init__(self, mode: str, slots=None):
+    def __init__(self, mode: str, slots=None, axes: tuple[str, ...] = ()):
         self.mode = mode
+        self.axes = axes
         self.uses: dict[str, Use] = {}
         self.slots = slots
         self._counts: dict[tuple, int] = {}
@@ -83,11 +106,12 @@ class _Tape:
         record_dtype = record.dtype
         if jnp.issubdtype(record_dtype, jnp.integer):
             record = record.astype(jnp.float32)
+        y = varying_like(y, tuple(a for a in self.axes if a not in varying_axes(y)))
         if self.mode == "discover":
             self.uses[key] = Use(path, terms_fn,
                                  jax.ShapeDtypeStruct(y.shape, y.dtype),
                                  jax.ShapeDtypeStruct(record.shape, record.dtype),
-                                 record_dtype)
+                                 record_dtype, varying_axes(y), varying_axes(record))
             return y
         g_slot, record_slot = self.slots[key]
         return _tap(y, record, g_slot, record_slot)
@@ -101,9 +125,10 @@ def current() -> _Tape | None:
 
 
 @contextlib.contextmanager
-def recording(mode: str, slots=None):
+def recording(mode: str, slots=None, axes: tuple[str, ...] = ()):
+    """Records taps; `axes`: the shard_map axes the batch varies over (empty outside shard_map)."""
     previous = current()
-    _state.tape = _Tape(mode, slots)
+    _state.tape = _Tape(mode, slots, axes)
     try:
         yield _state.tape
     finally:

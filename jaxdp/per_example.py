@@ -80,15 +80,17 @@ def per_example_grads(loss_fn: LossFn, *, fallback: bool = True):
             losses = loss_fn(model, batch)
             return losses, nnx.state(model, nnx.Not(nnx.Param))
 
-        with _tape.recording("discover") as tape:
+        axes = _batch_axes(batch)
+        with _tape.recording("discover", axes=axes) as tape:
             losses_struct, _ = jax.eval_shape(losses_of, params, rest)
         _check_losses(losses_struct)
         uses = tape.uses
-        slots = {k: (jnp.zeros(u.y.shape, u.y.dtype), jnp.zeros(u.record.shape, u.record.dtype))
+        slots = {k: (_tape.varying_like(jnp.zeros(u.y.shape, u.y.dtype), u.y_axes),
+                     _tape.varying_like(jnp.zeros(u.record.shape, u.record.dtype), u.record_axes))
                  for k, u in uses.items()}
 
         def record_pass(slots, params, rest):
-            with _tape.recording("record", slots):
+            with _tape.recording("record", slots, axes):
                 return losses_of(jax.lax.stop_gradient(params), rest)
 
         losses, vjp_fn, new_rest = jax.vjp(record_pass, slots, params, rest, has_aux=True)
@@ -117,6 +119,11 @@ def per_example_grads(loss_fn: LossFn, *, fallback: bool = True):
     return grads_fn
 
 
+def _batch_axes(batch) -> tuple[str, ...]:
+    """The shard_map axes any batch leaf varies over (empty outside shard_map)."""
+    return tuple(sorted({a for leaf in jax.tree.leaves(batch) for a in _tape.varying_axes(leaf)}))
+
+
 def _fallback_grads(loss_fn, graphdef, params, rest, batch, missing, enabled):
     """Exact per-example gradients of the parameters in `missing` only."""
     names = ", ".join("/".join(map(str, p)) for p in missing)
@@ -141,5 +148,10 @@ def _fallback_grads(loss_fn, graphdef, params, rest, batch, missing, enabled):
         example = jax.tree.map(lambda a: a[None], example)
         return loss_fn(model, example)[0]
 
+    # Inside shard_map (check_vma=True) the gradient with respect to a value
+    # replicated over an axis comes back summed over that axis; marking the
+    # values varying like the batch keeps each device's per-example gradients its own.
+    axes = _batch_axes(batch)
+    values = jax.tree.map(lambda v: _tape.varying_like(v, axes), values)
     grad_fn = jax.vmap(jax.grad(one_example_loss), in_axes=(None, None, None, 0))
     return grad_fn(values, others, rest, batch)

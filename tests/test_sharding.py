@@ -17,6 +17,7 @@ import optax
 import pytest
 from dp_testing import by_path, lm_loss, max_rel_err, tiny_gpt2
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jaxdp
 from jaxdp import sharding
@@ -46,6 +47,8 @@ def setup(name):
     mask = jnp.arange(B) < B - 1
     if name == "gpt2":
         return tiny_gpt2(seed=1), lm_loss, {"tokens": tokens, "mask": mask}
+    if name == "gpt2cp":  # GPT-2 with inputs / targets split, so that the sequence can be sharded
+        return tiny_gpt2(seed=1), cp_loss, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
     model = Llama(LlamaConfig.preset("tiny", vocab_size=V, seq_len=32), rngs=nnx.Rngs(2))
     return model, cp_loss, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
 
@@ -92,6 +95,8 @@ CASES = [
     # (model, (data, seq), zero_stage, clipping, sigma); sigma > 0 only where the gradient is replicated
     ("gpt2", (8, 1), 0, "flat", 0.0),
     ("gpt2", (8, 1), 3, "per_layer", 0.0),
+    ("gpt2cp", (4, 2), 1, "flat", SIGMA),
+    ("gpt2cp", (2, 4), 3, "per_layer", 0.0),
     ("llama", (8, 1), 2, "per_layer", 0.0),
     ("llama", (4, 2), 1, "flat", SIGMA),
     ("llama", (4, 2), 3, "per_layer", 0.0),
@@ -103,7 +108,8 @@ CASES = [
 @pytest.mark.parametrize("name, mesh_shape, zero_stage, clipping, sigma", CASES,
                          ids=[f"{n}-{d}x{s}-zero{z}-{c}-sigma{g:g}" for n, (d, s), z, c, g in CASES])
 def test_sharded_step_equals_single_device(name, mesh_shape, zero_stage, clipping, sigma):
-    expected_grads, expected_params = single_device(name)[(clipping, sigma)]
+    # gpt2cp is gpt2 on the same tokens with the loss written per sequence shard: same reference.
+    expected_grads, expected_params = single_device("gpt2" if name == "gpt2cp" else name)[(clipping, sigma)]
     step, _, new_state, out = sharded(name, mesh_shape, zero_stage, clipping, sigma)
     assert max_rel_err(out["grads"], expected_grads) <= RTOL
     assert max_rel_err(new_state.params, expected_params) <= RTOL
@@ -172,3 +178,35 @@ def test_bad_zero_stage():
                                noise_multiplier=0.0, expected_batch_size=EBS, zero_stage=4)
     with pytest.raises(ValueError, match="devices"):
         sharding.make_mesh(4, 4)
+
+
+class _LinearAndPlainScale(nnx.Module):
+    """A jaxdp Linear (tape rule) and a plain nnx.Param (vmap fallback), shared by every position."""
+
+    def __init__(self, rngs):
+        self.linear = jaxdp.nn.Linear(6, 5, rngs=rngs)
+        self.scale = nnx.Param(jnp.linspace(0.5, 1.5, 5))
+
+    def __call__(self, x_BTP):
+        return self.linear(x_BTP) * self.scale[...]
+
+
+def test_per_example_grads_in_shard_map_with_check_vma():
+    """Inside shard_map(check_vma=True) over 8 data shards, per-example gradients (tape and fallback)
+    equal one device's: no cotangent comes back summed over the devices (the DESIGN.md pitfall)."""
+    model = _LinearAndPlainScale(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (16, 3, 6))
+    loss_fn = lambda m, x: jnp.sum(m(x) ** 2, axis=(1, 2))
+    graphdef, params = nnx.split(model)
+
+    def per_example(params, x):
+        _, grads = jaxdp.per_example_grads(loss_fn)(nnx.merge(graphdef, params), x)
+        return {p: sum(jaxdp.terms.instantiate(t) for t in g.terms) for p, g in by_path(grads).items()}
+
+    expected = jax.jit(per_example)(params, x)
+    mesh = sharding.make_mesh(8, 1)
+    sharded_fn = jax.jit(jax.shard_map(per_example, mesh=mesh, in_specs=(P(), P(sharding.DATA)),
+                                       out_specs=P(sharding.DATA), check_vma=True))
+    got = sharded_fn(params, x)
+    assert got.keys() == expected.keys() == {("linear", "kernel"), ("linear", "bias"), ("scale",)}
+    assert max_rel_err(got, expected) <= RTOL

@@ -22,9 +22,11 @@ One jitted step over a (data, seq) mesh:
 Equivalence: with sigma = 0 the step equals the single-device step of
 `optax.chain(jaxdp.fused_clip(..., seed=s), tx)` up to float summation order;
 with sigma > 0 and ZeRO 0/1 (and replicated leaves under 2/3) it adds the
-same noise. `check_vma=False`: `per_example_grads` creates its zero probes
-inside the shard_map, and under `check_vma=True` their (device-varying)
-cotangents would come back psum-ed over the mesh (the pitfall in DESIGN.md).
+same noise. The shard_map runs with `check_vma=True`: `per_example_grads`
+creates its zero slots varying over the same manual axes as the activations
+they stand for, and takes no gradient with respect to the replicated
+parameters, so no cotangent comes back implicitly psum-ed over the mesh (the
+pitfall in DESIGN.md); every collective here is explicit.
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ class ShardedDPStep:
             self._local, mesh=self.mesh,
             in_specs=(self.param_specs, jax.tree.map(lambda _: P(), state.rest), batch_specs,
                       [P()] * num_leaves),
-            out_specs=(P(DATA), self.grad_specs), check_vma=False)
+            out_specs=(P(DATA), self.grad_specs), check_vma=True)
         losses, grads = local(state.params, state.rest, batch, leaf_keys)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
