@@ -4,6 +4,15 @@
     python -m experiments.pretrain_gpt2 --config=experiments/configs/gpt2_small.py
     python -m experiments.pretrain_gpt2 --config.dp.enabled=False --config.workdir=runs/nondp
 
+    python -m experiments.pretrain_gpt2 --config.mesh.data=2 --config.mesh.seq=4 --config.mesh.zero_stage=1
+    python -m experiments.pretrain_gpt2 --config.remat=dots  # "none" | "dots" | "full"
+
+Several devices: `mesh.data * mesh.seq > 1` runs `jaxdp.sharding.ShardedDPStep`
+(DP only, accumulation_steps=1). Several hosts: run the same command on each
+with JAX_COORDINATOR_ADDRESS=<host 0>:<port>, JAX_NUM_PROCESSES=<hosts> and
+JAX_PROCESS_ID=<0..hosts-1> set; `jax.distributed.initialize()` is then called
+before anything else touches the devices.
+
 Rerunning the same command resumes the run in `--config.workdir`. The logic
 lives in `jaxdp.training`.
 """
@@ -45,6 +54,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     from jaxdp import training  # after flag parsing: a --help stays fast
     config = _CONFIG.value
+    training.maybe_initialize_distributed()  # multi-host: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
     try:
         prepared = training.prepare(config, progress=training.data_lib.stderr_progress)
     except training.ConfigError as e:

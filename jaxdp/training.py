@@ -13,6 +13,10 @@
      the plain mean-loss gradient when `dp.enabled=False`), the privacy
      accountant (`jaxdp.accounting.BudgetTracker`), which stops training
      BEFORE the step that would exceed `dp.target_epsilon`.
+     With `mesh.data * mesh.seq > 1` the DP step is `jaxdp.sharding.ShardedDPStep`
+     on a (data, seq) mesh (ZeRO stage `mesh.zero_stage`, context parallel
+     when `mesh.seq > 1`), equal to the single-device step up to summation
+     order; `maybe_initialize_distributed()` joins several hosts.
   3. The run directory: `config.json`, `metrics.jsonl`, `tokenizer/`, orbax
      checkpoints under `checkpoints/` (parameters, optimizer state with the
      noise PRNG key, accountant state, step; the latest is kept),
@@ -50,6 +54,7 @@ from jaxdp import reference
 from jaxdp.fused_clip import fused_clip
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.per_example import per_example_grads
+from jaxdp.models.remat import REMAT_POLICIES
 from jaxdp.sampling import OVERFLOW_MODES, PoissonSampler
 
 CONFIG_FILE = "config.json"
@@ -73,6 +78,86 @@ def lm_losses(model: nnx.Module, batch) -> jax.Array:
     logits_BTV = model(tokens_BT1[:, :-1])
     nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])
     return jnp.where(batch["mask"], nll_BT.mean(axis=-1), 0.0)
+
+
+def cp_lm_losses(model: nnx.Module, batch) -> jax.Array:
+    """`lm_losses` on {"inputs", "targets", "mask"}; also correct on a sequence shard (context parallel)."""
+    from jaxdp.sharding import context
+    logits_BTV = model(batch["inputs"])
+    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+    return jnp.where(batch["mask"], context.sequence_mean(nll_BT), 0.0)
+
+
+def maybe_initialize_distributed() -> bool:
+    """`jax.distributed.initialize()` when JAX_COORDINATOR_ADDRESS is set (multi-host runs).
+
+    Every host runs the same command with JAX_COORDINATOR_ADDRESS=<host0>:<port>,
+    JAX_NUM_PROCESSES=<hosts> and JAX_PROCESS_ID=<0..hosts-1> (read by JAX
+    itself). Returns whether it initialized.
+    """
+    if not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return False
+    jax.distributed.initialize()
+    return True
+
+
+def mesh_size(config) -> int:
+    return config.mesh.data * config.mesh.seq
+
+
+class _ShardedTrainer:
+    """The DP step on a (data, seq) mesh (`jaxdp.sharding.ShardedDPStep`) behind the loop's step interface.
+
+    The model and the `nnx.Optimizer` (the chain fused_clip -> adamw) stay the
+    host-side record used for evaluation and checkpoints; `sync()` writes the
+    sharded state back into them (parameters, adamw state, the noise key of
+    fused_clip's state, the step count), `load()` reads it from them (after a
+    restore). The noise key and adamw see the same values as in the
+    single-device step, so the run equals it up to summation order.
+    """
+
+    def __init__(self, config, model, optimizer, noise_multiplier: float):
+        from jaxdp import sharding
+        self.model, self.optimizer = model, optimizer
+        mesh = sharding.make_mesh(config.mesh.data, config.mesh.seq)
+        dp = config.dp
+        inner = _make_tx(1, config.learning_rate, config.min_lr_ratio, config.warmup_steps, config.steps,
+                         config.b1, config.b2, config.weight_decay, False, dp.l2_norm_clip,
+                         float(noise_multiplier), float(config.batch_size), config.seed + 1,
+                         dp.clipping, dp.clip_fn, dp.strategy)
+        self.step = sharding.ShardedDPStep(
+            cp_lm_losses, inner, mesh, l2_norm_clip=dp.l2_norm_clip, noise_multiplier=float(noise_multiplier),
+            expected_batch_size=float(config.batch_size), seed=config.seed + 1,
+            zero_stage=config.mesh.zero_stage, clipping=dp.clipping, clip_fn=dp.clip_fn, strategy=dp.strategy)
+        self.load()
+
+    def _adam_variables(self):
+        """The adamw state's Variables in the nnx.Optimizer, in the leaf order of the sharded opt_state."""
+        return jax.tree.leaves(self.optimizer.opt_state[1], is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    def load(self):
+        state = self.step.init(self.model)
+        values = [v.get_value() for v in self._adam_variables()]
+        opt_state = jax.tree.unflatten(jax.tree.structure(state.opt_state), values)
+        noise_key = self.optimizer.opt_state[0].noise_key.get_value()
+        self.state = jax.device_put(state._replace(opt_state=opt_state, noise_key=noise_key),
+                                    self.step.state_shardings)
+
+    def sync(self):
+        state = jax.device_get(self.state)
+        self.step.update_model(self.model, state)
+        variables, values = self._adam_variables(), jax.tree.leaves(state.opt_state)
+        assert len(variables) == len(values)
+        for var, value in zip(variables, values):
+            var.set_value(jnp.asarray(value))
+        self.optimizer.opt_state[0].noise_key.set_value(state.noise_key)
+
+    def __call__(self, batch) -> float:
+        tokens = batch["tokens"]
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": batch["mask"]}
+        self.state, out = self.step(self.state, batch)
+        self.optimizer.step.set_value(self.optimizer.step.get_value() + 1)
+        return float(out["losses"].sum())
 
 
 def model_config(config, vocab_size: int) -> GPT2Config:
@@ -242,6 +327,22 @@ def validate_config(config) -> None:
     _require(config.weight_decay >= 0, f"config.weight_decay must be >= 0, got {config.weight_decay!r}")
     for name in ("b1", "b2"):
         _require(0 <= _get(config, name) < 1, f"config.{name} must be in [0, 1), got {_get(config, name)!r}")
+    _require(config.remat in REMAT_POLICIES or isinstance(config.remat, bool),
+             f"config.remat must be one of {REMAT_POLICIES}, got {config.remat!r}")
+    for name in ("mesh.data", "mesh.seq"):
+        positive_int(name, _get(config, name))
+    _require(config.mesh.zero_stage in (0, 1, 2, 3),
+             f"config.mesh.zero_stage must be 0, 1, 2 or 3, got {config.mesh.zero_stage!r}")
+    if mesh_size(config) > 1:
+        _require(mesh_size(config) <= jax.device_count(),
+                 f"config.mesh.data * config.mesh.seq = {mesh_size(config)} exceeds the "
+                 f"{jax.device_count()} devices available")
+        _require(config.dp.enabled and config.dp.strategy != "reference",
+                 "a mesh of more than one device runs the DP step (dp.enabled=True, dp.strategy != 'reference')")
+        _require(config.accumulation_steps == 1,
+                 "a mesh of more than one device needs config.accumulation_steps == 1")
+        _require(config.seq_len % config.mesh.seq == 0,
+                 f"config.seq_len ({config.seq_len}) must be divisible by config.mesh.seq ({config.mesh.seq})")
     _require(config.dtype in ("float32", "bfloat16"),
              f"config.dtype must be 'float32' or 'bfloat16', got {config.dtype!r}")
     _require(config.accountant in accounting.ACCOUNTANTS,
@@ -348,6 +449,9 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
         raise ConfigError(f"sampler: {e}") from None
     if sampler.max_batch_size % k:  # room for k equal micro-batches
         sampler.max_batch_size += k - sampler.max_batch_size % k
+    data = config.mesh.data if mesh_size(config) > 1 else 1
+    if sampler.max_batch_size % data:  # equal shards over the `data` axis
+        sampler.max_batch_size += data - sampler.max_batch_size % data
     delta, sigma = None, 0.0
     if config.dp.enabled:
         delta = config.dp.delta if config.dp.delta is not None else 1.0 / n
@@ -551,7 +655,11 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     _write_metrics(workdir, rows)
     initial_val_loss = rows[0]["val_loss"]
 
-    step_fn = make_train_step(dp, per_example="reference" if config.dp.strategy == "reference" else "jaxdp")
+    sharded = _ShardedTrainer(config, model, optimizer, p.noise_multiplier) if mesh_size(config) > 1 else None
+    if sharded is None:
+        step_fn = make_train_step(dp, per_example="reference" if config.dp.strategy == "reference" else "jaxdp")
+    else:
+        step_fn = lambda model, optimizer, batch: sharded(batch)
     progress = _Progress(config.steps, verbose)
     tokens_done, t_first, window_losses = 0, None, []
     stop_reason = None
@@ -583,6 +691,9 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
             else:
                 tokens_done += count * config.seq_len
             tps = tokens_done / max(time.perf_counter() - t_first, 1e-9)
+            if sharded is not None and (n % config.log_every == 0 or n == config.steps
+                                        or n == interrupt_after):
+                sharded.sync()  # the host-side model / optimizer used by eval and checkpoints
             if n % config.log_every == 0 or n == config.steps:
                 eps = tracker.epsilon() if tracker is not None else None
                 row = {"step": n, "train_loss": float(np.mean(window_losses)), "epsilon": eps}

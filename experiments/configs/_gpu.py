@@ -23,4 +23,8 @@ def gpu_config(n_layer: int, n_head: int, d_model: int, name: str):
     c.model.n_layer, c.model.n_head, c.model.d_model = n_layer, n_head, d_model
     c.model.max_seq_len = 1024
     c.data.tokenizer = "gpt2"
+    c.remat = "none"         # "dots" / "full" trade recompute for activation memory (exact under DP)
+    c.mesh.data = 1          # e.g. 8 on one 8-GPU host (accumulation_steps must then be 1)
+    c.mesh.seq = 1           # context parallel degree (long sequences)
+    c.mesh.zero_stage = 0    # 1-3 shard optimizer state / gradients / parameters over `data`
     return c

@@ -32,7 +32,7 @@ def get_config() -> config_dict.ConfigDict:
     c.b1 = 0.9                           # adam beta1
     c.b2 = 0.95                          # adam beta2
     c.dtype = "float32"                  # compute dtype: "float32" | "bfloat16" (params stay float32)
-    c.remat = False                      # activation checkpointing of every block (DP-safe)
+    c.remat = "none"                     # per-block activation checkpointing (DP-safe): "none" | "dots" | "full"
     c.accountant = "rdp"                 # privacy accountant: "rdp" | "pld"
 
     c.model = config_dict.ConfigDict()
@@ -41,6 +41,11 @@ def get_config() -> config_dict.ConfigDict:
     c.model.d_model = 192                # residual width
     c.model.mlp_ratio = 4                # MLP hidden = mlp_ratio * d_model
     c.model.max_seq_len = 128            # learned positions (the model's maximum sequence length)
+
+    c.mesh = config_dict.ConfigDict()
+    c.mesh.data = 1                      # devices sharding the examples (data parallel)
+    c.mesh.seq = 1                       # devices sharding the tokens (context parallel); data * seq > 1: ShardedDPStep
+    c.mesh.zero_stage = 0                # 0-3: shard optimizer state (1), + gradients (2), + parameters (3) over `data`
 
     c.data = config_dict.ConfigDict()
     c.data.path = config_dict.placeholder(str)  # None: bundled State of the Union corpus; or .txt / dir / .jsonl

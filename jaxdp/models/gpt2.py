@@ -4,6 +4,12 @@ Tied token embedding / output head, learned positions, pre-LayerNorm blocks,
 GELU MLP, causal attention through `jax.nn.dot_product_attention`. Parameters
 are float32; `dtype="bfloat16"` computes in bf16. Every parameter has a
 per-example gradient rule, so `jaxdp.per_example_grads` needs no fallback.
+
+Context parallelism (as `jaxdp.models.llama`): inside
+`jaxdp.sharding.context.sequence_sharded(axis)` the tokens are one shard of
+the sequence; learned positions are offset by the shard's first global
+position, and attention all-gathers keys and values over `axis` with a
+causal mask on global positions. Outside it the model is the plain one.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp import nn
+from jaxdp.models.remat import remat_block, remat_policy
+from jaxdp.sharding import context
 
 PRESETS = {
     # name: (n_layer, n_head, d_model)
@@ -37,7 +45,7 @@ class GPT2Config:
     mlp_ratio: int = 4
     layer_norm_epsilon: float = 1e-5
     dtype: str = "float32"       # compute dtype: "float32" | "bfloat16"; parameters stay float32
-    remat: bool = False          # nnx.remat every transformer block
+    remat: bool | str = "none"   # per-block activation checkpointing: "none" | "dots" | "full" (True: "full")
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -47,6 +55,7 @@ class GPT2Config:
             raise ValueError(f"GPT2Config.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"GPT2Config.dtype must be 'float32', 'bfloat16' or 'float64', got {self.dtype!r}")
+        remat_policy(self.remat)  # raises on an unknown policy
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPT2Config":
@@ -73,12 +82,18 @@ class Attention(nnx.Module):
         self.c_attn = nn.Linear(d, 3 * d, dtype=dtype, rngs=rngs)
         self.c_proj = nn.Linear(d, d, dtype=dtype, kernel_init=proj_init, rngs=rngs)
 
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, positions_T):
         B, T, D = x_BTD.shape
         H = D // self.n_head
         q, k, v = jnp.split(self.c_attn(x_BTD), 3, axis=-1)
-        q, k, v = (a.reshape(B, T, self.n_head, H) for a in (q, k, v))
-        y_BTNH = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        q_BTNH, k_BTNH, v_BTNH = (a.reshape(B, T, self.n_head, H) for a in (q, k, v))
+        if context.seq_axis() is None:
+            y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
+        else:
+            # Context parallel: keys / values of every shard, causal on global positions.
+            k_BSNH, v_BSNH = context.gather_sequence(k_BTNH), context.gather_sequence(v_BTNH)
+            mask_TS = positions_T[:, None] >= jnp.arange(k_BSNH.shape[1])[None, :]
+            y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSNH, v_BSNH, mask=mask_TS[None, None])
         return self.c_proj(y_BTNH.reshape(B, T, D))
 
 
@@ -101,13 +116,13 @@ class Block(nnx.Module):
         self.ln_2 = nn.LayerNorm(config.d_model, epsilon=config.layer_norm_epsilon, dtype=dtype)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x_BTD):
-        x_BTD = x_BTD + self.attn(self.ln_1(x_BTD))
+    def __call__(self, x_BTD, positions_T):
+        x_BTD = x_BTD + self.attn(self.ln_1(x_BTD), positions_T)
         return x_BTD + self.mlp(self.ln_2(x_BTD))
 
 
-def _apply_block(block, x_BTD):
-    return block(x_BTD)
+def _apply_block(block, x_BTD, positions_T):
+    return block(x_BTD, positions_T)
 
 
 class GPT2(nnx.Module):
@@ -124,12 +139,13 @@ class GPT2(nnx.Module):
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
         B, T = tokens_BT.shape
-        if T > self.config.seq_len:
-            raise ValueError(f"sequence length {T} exceeds GPT2Config.seq_len={self.config.seq_len}")
-        positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
-        x_BTD = self.wte(tokens_BT) + self.wpe(positions_BT)
-        apply = nnx.remat(_apply_block) if self.config.remat else _apply_block
+        if context.global_seq_len(T) > self.config.seq_len:
+            raise ValueError(f"sequence length {context.global_seq_len(T)} exceeds "
+                             f"GPT2Config.seq_len={self.config.seq_len}")
+        positions_T = context.seq_offset(T) + jnp.arange(T)
+        x_BTD = self.wte(tokens_BT) + self.wpe(jnp.broadcast_to(positions_T, (B, T)))
+        apply = remat_block(_apply_block, self.config.remat)
         for block in self.blocks:
-            x_BTD = apply(block, x_BTD)
+            x_BTD = apply(block, x_BTD, positions_T)
         logits_BTV = self.wte.attend(self.ln_f(x_BTD))
         return logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))

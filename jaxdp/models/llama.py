@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp import nn
+from jaxdp.models.remat import remat_block, remat_policy
 from jaxdp.sharding import context
 
 PRESETS = {
@@ -49,7 +50,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = True
     dtype: str = "float32"         # compute dtype: "float32" | "bfloat16"; parameters stay float32
-    remat: bool = False            # nnx.remat every transformer block
+    remat: bool | str = "none"     # per-block activation checkpointing: "none" | "dots" | "full" (True: "full")
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
@@ -69,6 +70,7 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"LlamaConfig.dtype must be 'float32', 'bfloat16' or 'float64', got {self.dtype!r}")
+        remat_policy(self.remat)  # raises on an unknown policy
 
     @classmethod
     def preset(cls, name: str, **overrides) -> LlamaConfig:
@@ -197,7 +199,7 @@ class Llama(nnx.Module):
         positions_T = context.seq_offset(T) + jnp.arange(T)
         inv_freq = rope_frequencies(self.config)
         x_BTD = self.embed_tokens(tokens_BT)
-        apply = nnx.remat(_apply_block) if self.config.remat else _apply_block
+        apply = remat_block(_apply_block, self.config.remat)
         for block in self.blocks:
             x_BTD = apply(block, x_BTD, positions_T, inv_freq)
         h_BTD = self.norm(x_BTD)
