@@ -14,12 +14,11 @@ table is printed and JSON written.
 from __future__ import annotations
 
 import datetime
-import json
-import os
-import sys
 import time
 
 from absl import app, flags
+
+from experiments._results import write_results
 
 MODELS = flags.DEFINE_list("models", ["gpt2-small", "gpt2-medium", "gpt2-large", "llama-1b"], "shape sets")
 SEQ_LENS = flags.DEFINE_list("seq_lens", ["512", "1024", "2048", "4096"], "T values")
@@ -121,12 +120,7 @@ def main(argv):
                             cells = [row["status"]] * 3
                         print(f"| {model} | {layer} | {P} x {D} | {T} | {B} | {name} | " + " | ".join(cells) + " |",
                               flush=True)
-    meta = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                date=str(datetime.date.today()), command=" ".join(sys.argv), dtype=dtype)
-    os.makedirs(os.path.dirname(OUT.value) or ".", exist_ok=True)
-    with open(OUT.value, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"\nwrote {OUT.value}")
+    write_results(OUT.value, rows, dtype=dtype)
 
 
 if __name__ == "__main__":

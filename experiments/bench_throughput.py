@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import subprocess
 import sys
 import time
 
 from absl import app, flags
+
+from experiments._results import write_results
 
 METHODS = ("non_dp", "explicit", "ghost_2nd_bwd", "bookkeeping_xla", "auto_flat", "pallas_flat",
            "pallas_per_layer")
@@ -178,12 +179,7 @@ def main(argv):
                 base = row if method == "non_dp" else base
                 rows.append(row)
                 print(f"| {model} | {B} | {method} | " + " | ".join(_fmt(row, base)) + " |", flush=True)
-    meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                date=str(datetime.date.today()), command=" ".join(sys.argv))
-    os.makedirs(os.path.dirname(OUT.value) or ".", exist_ok=True)
-    with open(OUT.value, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"\nwrote {OUT.value}")
+    write_results(OUT.value, rows)
 
 
 if __name__ == "__main__":

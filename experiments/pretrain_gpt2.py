@@ -17,12 +17,10 @@ Rerunning the same command resumes the run in `--config.workdir`. The logic
 lives in `jaxdp.training`.
 """
 
-import json
 import os
 import sys
 
 from absl import app
-from absl import flags
 from absl import logging
 from ml_collections import config_flags
 

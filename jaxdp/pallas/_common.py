@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -59,6 +60,22 @@ def store_tile(ref, row0, rows: int, col0, cols: int, value):
 def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
     """Tile product with float32 accumulation; float32 tiles in IEEE precision (no TF32)."""
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=False)
+
+
+def example_grad_tile(x_ref, g_ref, bt: int, bp: int, bd: int):
+    """Tile (i, j) = (program_id(1), program_id(2)) of one example's x^T g, reduced over T on chip.
+
+    x_ref (T, P) and g_ref (T, D) hold one example; returns the (bp, bd) float32 tile.
+    """
+    T = x_ref.shape[0]
+    i, j = pl.program_id(1), pl.program_id(2)
+
+    def body(k, acc_PD):
+        x = load_tile(x_ref, k * bt, bt, i * bp, bp)
+        g = load_tile(g_ref, k * bt, bt, j * bd, bd)
+        return acc_PD + dot(x, g, trans_a=True)
+
+    return lax.fori_loop(0, pl.cdiv(T, bt), body, jnp.zeros((bp, bd), jnp.float32))
 
 
 def compute_dtype(*arrays):

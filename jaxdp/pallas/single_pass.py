@@ -59,15 +59,7 @@ DEFAULT_CHUNK_SIZE = 8
 
 def _tiles_kernel(x_ref, g_ref, tile_ref, partial_ref, *, bt, bp, bd):
     # x_ref (T, P), g_ref (T, D) of one example; tile_ref (bp, bd) of the scratch; partial_ref scalar.
-    T = x_ref.shape[0]
-    i, j = pl.program_id(1), pl.program_id(2)
-
-    def body(k, acc_PD):
-        x = _common.load_tile(x_ref, k * bt, bt, i * bp, bp)
-        g = _common.load_tile(g_ref, k * bt, bt, j * bd, bd)
-        return acc_PD + _common.dot(x, g, trans_a=True)
-
-    acc_PD = lax.fori_loop(0, pl.cdiv(T, bt), body, jnp.zeros((bp, bd), jnp.float32))
+    acc_PD = _common.example_grad_tile(x_ref, g_ref, bt, bp, bd)
     tile_ref[...] = acc_PD.astype(tile_ref.dtype)
     partial_ref[...] = jnp.sum(acc_PD * acc_PD)
 
