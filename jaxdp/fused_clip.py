@@ -10,7 +10,7 @@ import optax
 
 from jaxdp import clipping as clipping_lib
 from jaxdp import norms as norms_lib
-from jaxdp.terms import as_factored, is_factored
+from jaxdp.terms import FactoredGrad, LinearTerm, as_factored, is_factored
 
 
 class FusedClipState(NamedTuple):
@@ -52,23 +52,111 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     Returns `(sums, group_norms)`: `sums` has the tree structure of `grads`
     with parameter-shaped leaves; `group_norms` maps each group to its
     per-example norms (B,).
+
+    With `strategy="pallas"`, a group with exactly one linear term (per-layer
+    clipping: a Linear's kernel, or the tied embedding's head use) takes the
+    single-pass kernel for that term: see `_single_pass_sums`.
     """
     paths, factored, treedef = flatten_grads(grads)
     groups = [clipping_lib.group_of(p, clipping) for p in paths]
     thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
+    single = _single_linear_terms(factored, groups) if strategy == "pallas" else {}
     sq_by_group: dict = {}
-    for grad, group in zip(factored, groups):
+    for i, (grad, group) in enumerate(zip(factored, groups)):
+        skip = single[group][1] if single.get(group, (None,))[0] == i else None
         sq = norms_lib.squared_norms(grad, strategy, chunk_size=chunk_size,
-                                     memory_budget_bytes=memory_budget_bytes)
+                                     memory_budget_bytes=memory_budget_bytes, skip_self=skip)
         sq_by_group[group] = sq if group not in sq_by_group else sq_by_group[group] + sq
+
+    def factors_of(norms_B, group, keep_B):
+        return jnp.where(keep_B, clipping_lib.clip_factors(norms_B, thresholds[group], clip_fn, gamma), 0)
+
+    if single:
+        linear_sums, sq_by_group, keep_pre_B = _single_pass_sums(factored, single, sq_by_group, factors_of,
+                                                                 chunk_size)
     norms = {g: jnp.sqrt(sq) for g, sq in sq_by_group.items()}
     keep_B = jnp.all(jnp.stack([jnp.isfinite(n) for n in norms.values()]), axis=0)
-    factors = {g: jnp.where(keep_B, clipping_lib.clip_factors(n, thresholds[g], clip_fn, gamma), 0)
-               for g, n in norms.items()}
+    factors = {g: factors_of(n, g, keep_B) for g, n in norms.items()}
+    if single:
+        linear_sums = _redo_if_dropped_late(linear_sums, factored, single, norms, keep_pre_B, keep_B, factors)
     pallas = strategy == "pallas"
-    sums = [clipping_lib.clipped_sum(grad, factors[group], keep_B, pallas=pallas)
-            for grad, group in zip(factored, groups)]
+    sums = []
+    for i, (grad, group) in enumerate(zip(factored, groups)):
+        if single.get(group, (None,))[0] != i:
+            sums.append(clipping_lib.clipped_sum(grad, factors[group], keep_B, pallas=pallas))
+            continue
+        j = single[group][1]
+        term, rest = grad.terms[j], grad.terms[:j] + grad.terms[j + 1:]
+        part = linear_sums[group].astype(
+            jnp.promote_types(jnp.result_type(term.x_BTP, term.g_BTD), factors[group].dtype))
+        if rest:  # the tied embedding: its lookup term, clipped with the same factors
+            part = part + clipping_lib.clipped_sum(FactoredGrad(rest), factors[group], keep_B, pallas=True)
+        sums.append(part)
     return jax.tree.unflatten(treedef, sums), norms
+
+
+def _single_linear_terms(factored, groups) -> dict:
+    """{group: (parameter index, term index)} of the groups holding exactly one LinearTerm."""
+    found: dict = {}
+    for i, (grad, group) in enumerate(zip(factored, groups)):
+        for j, term in enumerate(grad.terms):
+            if isinstance(term, LinearTerm):
+                found.setdefault(group, []).append((i, j))
+    return {g: refs[0] for g, refs in found.items() if len(refs) == 1}
+
+
+def _single_pass_sums(factored, single, sq_by_group, factors_of, chunk_size):
+    """Clipped sums of the single linear terms, each G_b tile computed once (`linear_fused_clipped_sum`).
+
+    A group's clip factor needs its norm only, which the kernel completes
+    chunk by chunk; but an example with a non-finite norm in ANY group must
+    contribute nothing anywhere, and other single-pass groups' norms are not
+    known yet. So the drop rule is applied in two steps:
+      before  keep_pre_B: every other group's norm is finite and this term's
+              x_b, g_b are finite (a non-finite x_b or g_b makes x_b^T g_b
+              non-finite: each entry with it is inf or NaN, so keep_pre is
+              implied by the global rule);
+      after   `_redo_if_dropped_late`: an example kept here but dropped by the
+              global rule (its norm overflowed to inf in another single-pass
+              group from finite inputs) has that term recomputed by the
+              two-pass kernel with the final factors, under `lax.cond`: never
+              in practice, exact always.
+    Returns ({group: (P, D) float32 sum}, sq_by_group with the kernels' norms added, keep_pre_B).
+    """
+    from jaxdp import pallas as pallas_lib  # imports jax.experimental.pallas only when used
+    finite = {g: jnp.isfinite(sq) for g, sq in sq_by_group.items()}
+    for g, (i, j) in single.items():
+        term = factored[i].terms[j]
+        finite[g] &= (jnp.all(jnp.isfinite(term.x_BTP), axis=(1, 2))
+                      & jnp.all(jnp.isfinite(term.g_BTD), axis=(1, 2)))
+    keep_pre_B = jnp.all(jnp.stack(list(finite.values())), axis=0)
+    linear_sums, sq_by_group = {}, dict(sq_by_group)
+    for g, (i, j) in single.items():
+        term = factored[i].terms[j]
+
+        def clip_factors_fn(group_sq_E, g=g):
+            norms_E = jnp.sqrt(group_sq_E)
+            return factors_of(norms_E, g, jnp.isfinite(norms_E))
+
+        # NaN extra norms make the kernel's factor 0: examples dropped before the pass contribute exact zeros.
+        extra_B = jnp.where(keep_pre_B, sq_by_group[g], jnp.nan)
+        linear_sums[g], sq_B = pallas_lib.linear_fused_clipped_sum(
+            term.x_BTP, term.g_BTD, clip_factors_fn, extra_sq_norms_B=extra_B, chunk_size=chunk_size)
+        sq_by_group[g] = sq_by_group[g] + sq_B
+    return linear_sums, sq_by_group, keep_pre_B
+
+
+def _redo_if_dropped_late(linear_sums, factored, single, norms, keep_pre_B, keep_B, factors):
+    """Recompute the single-pass sums with the final factors if any example was dropped after its pass."""
+    from jaxdp import pallas as pallas_lib
+    late = jnp.any(jnp.stack([keep_pre_B & jnp.isfinite(norms[g]) & ~keep_B for g in single]))
+
+    def two_pass():
+        return {g: pallas_lib.linear_clipped_sum(factored[i].terms[j].x_BTP, factored[i].terms[j].g_BTD,
+                                                 factors[g]).astype(jnp.float32)
+                for g, (i, j) in single.items()}
+
+    return jax.lax.cond(late, two_pass, lambda: linear_sums)
 
 
 def _check_positive(name, value, allow_zero=False):
@@ -118,7 +206,10 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
       strategy: per-example norm method: "ghost", "instantiate" or "auto"
         (per layer, from the FLOP / memory cost model in `jaxdp.norms`), or
         "pallas": linear layers' norms and clipped sums by the `jaxdp.pallas`
-        kernels (Pallas interpreter on CPU), everything else as "auto".
+        kernels (Pallas interpreter on CPU), everything else as "auto"; where
+        a clipping group holds a single linear term (per-layer clipping) its
+        gradient tiles are computed once, for norm and sum (the single-pass
+        kernel); otherwise norms and sums are two kernels.
       accumulation_steps: micro-batches per logical batch; clipped sums are
         accumulated and noise is added once, on the last. To keep the
         optimizer still on the other micro-steps, wrap it:

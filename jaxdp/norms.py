@@ -19,7 +19,9 @@ Gram matrix never exceeds `chunk_size` x T^2.
 fewer FLOPs among the choices whose scratch memory fits `memory_budget_bytes`.
 `strategy="pallas"` computes Linear self pairs with the Pallas kernels of
 `jaxdp.pallas` (ghost or instantiate by FLOPs alone: neither kernel writes
-scratch to memory; interpreted on CPU) and every other pair as "auto".
+scratch to memory; interpreted on CPU) and every other pair as "auto"
+(`jaxdp.fused_clip` moves single-linear-term groups to the single-pass
+kernel, which computes that self pair itself: `skip_self`).
 """
 
 from __future__ import annotations
@@ -232,14 +234,21 @@ def pair_inner(a: Term, b: Term, strategy: str = "auto", *, chunk_size: int = DE
 
 
 def squared_norms(grad: FactoredGrad, strategy: str = "auto", *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> jax.Array:
-    """Per-example squared L2 norms (B,) of a parameter's factored gradient, cross terms included."""
+                  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+                  skip_self: int | None = None) -> jax.Array:
+    """Per-example squared L2 norms (B,) of a parameter's factored gradient, cross terms included.
+
+    `skip_self=i` leaves out the self pair <T_i, T_i> (computed elsewhere, e.g.
+    by the single-pass kernel); the result is then zeros if nothing is left.
+    """
     check_strategy(strategy)
     kw = dict(chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes)
     terms = grad.terms
-    total = None
+    total = jnp.zeros((grad.batch_size,), jnp.float32) if skip_self is not None else None
     for i, a in enumerate(terms):
         for j in range(i, len(terms)):
+            if i == j == skip_self:
+                continue
             inner = pair_inner(a, terms[j], strategy, **kw)
             inner = inner if i == j else 2 * inner
             total = inner if total is None else total + inner

@@ -5,12 +5,17 @@ with the Pallas strategy (kernels in interpret mode on CPU), kept to one jit
 compile: interpret-mode kernels are slow to compile on CPU.
 """
 
+import importlib
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import jaxdp
 from dp_testing import lm_loss, max_rel_err
+from jaxdp.terms import DenseTerm, FactoredGrad, LinearTerm, instantiate
 from test_fused_clip_reference import CLIPPINGS, EXPECTED_BATCH_SIZE, RTOL, expected_update, setup
 
 CONFIGS = [(clipping, clip_fn) for clipping in CLIPPINGS for clip_fn in ("abadi", "automatic")]
@@ -51,3 +56,70 @@ def test_pallas_strategy_uses_the_kernels(monkeypatch):
     jax.eval_shape(lambda g: jaxdp.clipped_aggregate(g, C, strategy="pallas"), grads)  # tracing only
     assert "linear_clipped_sum" in calls
     assert {"linear_sq_norms", "linear_ghost_sq_norms"} & set(calls)
+
+
+def test_per_layer_takes_the_single_pass_kernel(monkeypatch):
+    """per_layer: every Linear and the tied head go through linear_fused_clipped_sum; flat: none do."""
+    from jaxdp import pallas as pallas_lib
+    calls = []
+    original = pallas_lib.linear_fused_clipped_sum
+    monkeypatch.setattr(pallas_lib, "linear_fused_clipped_sum",
+                        lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
+    model, batch, C, _ = setup(False)
+    _, grads = jax.eval_shape(jaxdp.per_example_grads(lm_loss), model, batch)
+    num_linear = sum(isinstance(m, jaxdp.nn.Linear) for _, m in nnx.iter_graph(model))
+    jax.eval_shape(lambda g: jaxdp.clipped_aggregate(g, C, clipping="per_layer", strategy="pallas"), grads)
+    assert len(calls) == num_linear + 1  # + the tied embedding's head use
+    calls.clear()
+    jax.eval_shape(lambda g: jaxdp.clipped_aggregate(g, C, clipping="flat", strategy="pallas"), grads)
+    assert not calls
+
+
+def _by_path(nested):
+    return {(layer, name): v for layer, params in nested.items() for name, v in params.items()}
+
+
+def _two_layer_grads(seed):
+    """Factored grads of two linear layers (one with a bias), odd sizes, and their instantiated twins.
+
+    Example 1 has a NaN input in layer a (dropped before the single pass);
+    example 2 has finite inputs in layer b whose squared norm overflows to inf
+    (dropped only after the pass of layer a): both must contribute nothing.
+    """
+    ka, kb, kc, kd = jax.random.split(jax.random.key(seed), 4)
+    B, T = 5, 7
+    xa, ga = jax.random.normal(ka, (B, T, 9)), jax.random.normal(kb, (B, T, 5))
+    xb, gb = jax.random.normal(kc, (B, T, 6)), jax.random.normal(kd, (B, T, 11))
+    xa = xa.at[1, 3, 2].set(jnp.nan)
+    xb, gb = xb.at[2].multiply(1e11), gb.at[2].multiply(1e11)
+    factored = {"a": {"kernel": FactoredGrad((LinearTerm(xa, ga),)),
+                      "bias": FactoredGrad((DenseTerm(ga.sum(axis=1)),))},
+                "b": {"kernel": FactoredGrad((LinearTerm(xb, gb),))}}
+    dense = {("a", "kernel"): instantiate(LinearTerm(xa, ga)), ("a", "bias"): ga.sum(axis=1),
+             ("b", "kernel"): instantiate(LinearTerm(xb, gb))}
+    return factored, dense
+
+
+@pytest.mark.parametrize("clip_fn", ["abadi", "automatic"])
+def test_single_pass_drops_non_finite_examples_like_the_reference(clip_fn):
+    factored, dense = _two_layer_grads(seed=21)
+    C = 3.0
+    expected, expected_norms = jaxdp.reference.clipped_sum(dense, C, clipping="per_layer", clip_fn=clip_fn)
+    assert not bool(jnp.isfinite(expected_norms[("b",)][2]))  # the overflow really happens
+    sums, norms = jaxdp.clipped_aggregate(factored, C, clipping="per_layer", clip_fn=clip_fn,
+                                          strategy="pallas", chunk_size=2)
+    assert max_rel_err(_by_path(sums), expected) <= RTOL
+    for group, n in expected_norms.items():
+        finite = jnp.isfinite(n)
+        np.testing.assert_array_equal(jnp.isfinite(norms[group]), finite)
+        np.testing.assert_allclose(norms[group][finite], n[finite], rtol=RTOL)
+
+
+def test_planted_error_skipping_the_late_drop_is_caught(monkeypatch):
+    """Without the recompute after the global drop rule, example 2 leaks into layer a's sum."""
+    fused_clip_lib = importlib.import_module("jaxdp.fused_clip")  # the module, not jaxdp.fused_clip the function
+    monkeypatch.setattr(fused_clip_lib, "_redo_if_dropped_late", lambda linear_sums, *_: linear_sums)
+    factored, dense = _two_layer_grads(seed=21)
+    expected, _ = jaxdp.reference.clipped_sum(dense, 3.0, clipping="per_layer")
+    sums, _ = jaxdp.clipped_aggregate(factored, 3.0, clipping="per_layer", strategy="pallas", chunk_size=2)
+    assert max_rel_err(_by_path(sums), expected) > 1e-2
