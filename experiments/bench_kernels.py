@@ -1,4 +1,4 @@
-"""Times the DP pieces of one linear layer against its non-DP weight-gradient GEMM.
+"""Times the DP pieces of one linear layer against its non-DP weight-gradient GEMM, and says where the time goes.
 
     python -m experiments.bench_kernels                 # GPT-2 S/M/L + Llama-1B-like shapes (GPU)
     python -m experiments.bench_kernels --smoke         # two tiny shapes on CPU (interpreted kernels)
@@ -6,14 +6,22 @@
 For x (B, T, P), g (B, T, D): the non-DP wgrad x^T g; the XLA DP paths
 (instantiate norms, ghost norms, the clipped GEMM); the Pallas kernels
 (`jaxdp.pallas`: sq_norms, ghost_sq_norms, clipped_sum, fused per-layer
-single pass). Median time after warm-up, achieved TFLOP/s (useful FLOPs of
-each method / time), and time as a ratio to the non-DP GEMM. A markdown
-table is printed and JSON written.
+single pass). Median time after warm-up, achieved TFLOP/s and time as a ratio
+to the non-DP GEMM (first table).
+
+Where the time goes (second table): each method's FLOPs and compulsory HBM
+bytes (`_counts`: `norms.pair_cost` for the XLA norm paths, the counts of the
+`jaxdp/pallas` module docstrings for the kernels), arithmetic intensity, the
+roofline floor max(FLOPs / R, bytes / W) and the fraction of it achieved.
+R and W are measured in this process: R the best TFLOP/s of a plain square
+matmul in the benchmark dtype, W the best bytes/s of a large copy (x * 2) or
+sum. Both tables are printed as markdown and written to the JSON.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import time
 
 from absl import app, flags
@@ -39,33 +47,66 @@ SHAPES = {
     "llama-1b": [("qkv", 2048, 3072), ("o", 2048, 2048), ("gate_up", 2048, 16384), ("down", 8192, 2048)],
     "smoke": [("odd", 48, 40), ("square", 64, 64)],
 }
+# Ceiling probes: square matmul sizes n (2 n^3 FLOPs) and the element count of the copy / sum.
+CEILING_PROBES = {"gpu": ((4096, 8192), 1 << 28), "smoke": ((256, 512), 1 << 22)}
+NORM_CHUNK = 8  # examples per chunk of the XLA norm paths
 
 
-def _methods(B, T, P, D):
-    """name -> (fn(x, g, c), useful FLOPs)."""
+def _methods():
+    """name -> fn(x, g, c)."""
     import jax.numpy as jnp
 
     from jaxdp import pallas as jp
     from jaxdp import norms
 
-    gemm = 2 * B * T * P * D
-    ghost = 2 * B * T * T * (P + D)
     fn = lambda sq: jnp.minimum(1.0, 1.0 / jnp.sqrt(sq))
-    inst = lambda x, g: norms._per_example(lambda a, b: norms._linear_instantiate(a, b, a, b), (x, g), 8)
-    gh = lambda x, g: norms._per_example(lambda a, b: norms._linear_ghost(a, b, a, b), (x, g), 8)
+    inst = lambda x, g: norms._per_example(lambda a, b: norms._linear_instantiate(a, b, a, b), (x, g), NORM_CHUNK)
+    gh = lambda x, g: norms._per_example(lambda a, b: norms._linear_ghost(a, b, a, b), (x, g), NORM_CHUNK)
     return {
-        "nondp_wgrad": (lambda x, g, c: jnp.einsum("btp,btd->pd", x, g, preferred_element_type=jnp.float32), gemm),
-        "xla_inst_norms": (lambda x, g, c: inst(x, g), gemm),
-        "xla_ghost_norms": (lambda x, g, c: gh(x, g), ghost),
-        "xla_clipped_sum": (lambda x, g, c: jp.linear_clipped_sum(x, g, c, implementation="xla"), gemm),
-        "pallas_sq_norms": (lambda x, g, c: jp.linear_sq_norms(x, g), gemm),
-        "pallas_ghost_norms": (lambda x, g, c: jp.linear_ghost_sq_norms(x, g), ghost),
-        "pallas_clipped_sum": (lambda x, g, c: jp.linear_clipped_sum(x, g, c), gemm),
-        "pallas_single_pass": (lambda x, g, c: jp.linear_fused_clipped_sum(x, g, fn), gemm),
+        "nondp_wgrad": lambda x, g, c: jnp.einsum("btp,btd->pd", x, g, preferred_element_type=jnp.float32),
+        "xla_inst_norms": lambda x, g, c: inst(x, g),
+        "xla_ghost_norms": lambda x, g, c: gh(x, g),
+        "xla_clipped_sum": lambda x, g, c: jp.linear_clipped_sum(x, g, c, implementation="xla"),
+        "pallas_sq_norms": lambda x, g, c: jp.linear_sq_norms(x, g),
+        "pallas_ghost_norms": lambda x, g, c: jp.linear_ghost_sq_norms(x, g),
+        "pallas_clipped_sum": lambda x, g, c: jp.linear_clipped_sum(x, g, c),
+        "pallas_single_pass": lambda x, g, c: jp.linear_fused_clipped_sum(x, g, fn),
     }
 
 
-def _time(f, args, repeats):
+def _counts(B, T, P, D, itemsize):
+    """name -> (FLOPs, compulsory HBM bytes) of each method, at the defaults `_methods` calls.
+
+    Bytes: inputs read once, outputs written once, HBM scratch written and read
+    once (float32); tile re-reads of x and g (which L2 mostly absorbs) are not
+    counted, so these are lower bounds.
+    """
+    from jaxdp.norms import pair_cost
+    from jaxdp.pallas import _common, ghost_norms, linear_norms, single_pass
+
+    io = B * T * (P + D) * itemsize  # x and g read once
+    out = P * D * 4  # a float32 (P, D) sum
+    gemm = 2 * B * T * P * D
+    inst = pair_cost("linear", "instantiate", B=B, T=T, P=P, D=D, itemsize=itemsize, chunk_size=NORM_CHUNK)
+    ghost = pair_cost("linear", "ghost", B=B, T=T, P=P, D=D, itemsize=itemsize, chunk_size=NORM_CHUNK)
+    n_p, n_d = (math.ceil(n / _common.block(n, blk)) for n, blk in ((P, linear_norms.BLOCK_P),
+                                                                    (D, linear_norms.BLOCK_D)))
+    bt = _common.block(T, ghost_norms.BLOCK_T)
+    chunks = math.ceil(B / single_pass.DEFAULT_CHUNK_SIZE)
+    return {
+        "nondp_wgrad": (gemm, io + out),
+        "xla_inst_norms": (inst.flops, inst.bytes_moved),
+        "xla_ghost_norms": (ghost.flops, ghost.bytes_moved),
+        "xla_clipped_sum": (gemm + B * T * D, io + out),
+        "pallas_sq_norms": (inst.flops, io + B * n_p * n_d * 4),  # = inst. FLOPs, no G in HBM
+        "pallas_ghost_norms": (B * T * (T + bt) * (P + D), io + B * math.ceil(T / bt) ** 2 * 4),
+        "pallas_clipped_sum": (gemm + B * T * D, io + out),
+        # float32 scratch written + read once; the accumulator read + written per chunk.
+        "pallas_single_pass": (gemm + 4 * B * P * D, io + 2 * B * P * D * 4 + 2 * chunks * out),
+    }
+
+
+def _time(f, args, repeats, stat=None):
     import jax
     import numpy as np
     jax.block_until_ready(f(*args))
@@ -75,7 +116,54 @@ def _time(f, args, repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(f(*args))
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float((stat or np.median)(times))
+
+
+def _ceilings(dtype, probes, repeats):
+    """Measured R (FLOP/s, best square matmul in `dtype`) and W (bytes/s, best of copy and sum)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sizes, n_elems = probes
+    key = jax.random.key(1)
+    matmul = {}
+    for n in sizes:
+        a = jax.random.normal(key, (n, n), jnp.float32).astype(dtype)
+        matmul[str(n)] = 2 * n ** 3 / _time(jax.jit(jnp.matmul), (a, a), repeats, np.min)
+        del a
+    v = jax.random.normal(key, (n_elems,), jnp.float32).astype(dtype)
+    nbytes = n_elems * v.dtype.itemsize
+    copy = 2 * nbytes / _time(jax.jit(lambda v: v * 2), (v,), repeats, np.min)
+    total = nbytes / _time(jax.jit(lambda v: jnp.sum(v, dtype=jnp.float32)), (v,), repeats, np.min)
+    return dict(R=max(matmul.values()), W=max(copy, total), matmul_flops_per_s=matmul,
+                copy_bytes_per_s=copy, sum_bytes_per_s=total, copy_elements=n_elems, dtype=str(dtype))
+
+
+def _roofline(row, R, W):
+    """Intensity, floor max(F / R, bytes / W), the resource that sets it, and floor / measured time."""
+    t_flops, t_bytes = row["flops"] / R, row["bytes"] / W
+    floor = max(t_flops, t_bytes)
+    achieved = floor / row["seconds"] if row["status"] == "ok" else None
+    return dict(intensity=row["flops"] / row["bytes"], floor_s=floor,
+                bound="compute" if t_flops >= t_bytes else "memory", of_floor=achieved)
+
+
+def _print_where_time_goes(rows, ceil, device):
+    R, W = ceil["R"], ceil["W"]
+    sizes = "/".join(ceil["matmul_flops_per_s"])
+    print(f"\nwhere time goes, {device}: R = {R / 1e12:.3g} TFLOP/s (best {ceil['dtype']} n x n matmul, "
+          f"n = {sizes}), W = {W / 1e9:.3g} GB/s (best of copy {ceil['copy_bytes_per_s'] / 1e9:.3g}, "
+          f"sum {ceil['sum_bytes_per_s'] / 1e9:.3g}), ridge R / W = {R / W:.3g} FLOP/byte; "
+          "floor = max(FLOPs / R, bytes / W)\n")
+    print("| model | layer | P x D | T | B | method | GFLOP | HBM MB | FLOP/byte | bound | floor ms | ms | of floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ms, frac = ((f"{r['seconds'] * 1e3:.3f}", f"{r['of_floor']:.3f}") if r["status"] == "ok"
+                    else (r["status"], "-"))
+        print(f"| {r['model']} | {r['layer']} | {r['P']} x {r['D']} | {r['T']} | {r['B']} | {r['method']} | "
+              f"{r['flops'] / 1e9:.4g} | {r['bytes'] / 1e6:.4g} | {r['intensity']:.3g} | {r['bound']} | "
+              f"{r['floor_s'] * 1e3:.4g} | {ms} | {frac} |")
 
 
 def main(argv):
@@ -88,9 +176,12 @@ def main(argv):
     else:
         models, seq_lens = MODELS.value, [int(t) for t in SEQ_LENS.value]
         batch_sizes, repeats, dtype = [int(b) for b in BATCH_SIZES.value], REPEATS.value, DTYPE.value
-    dev = jax.devices()[0]
-    print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
-          f"{datetime.date.today()}, {dtype}\n")
+    dev, backend = jax.devices()[0], jax.default_backend()
+    cpu_note = " [CPU numbers: kernels interpreted, not a GPU measurement]" if backend == "cpu" else ""
+    device = f"{dev.device_kind} ({backend}){cpu_note}"
+    print(f"device: {device}, jax {jax.__version__}, {datetime.date.today()}, {dtype}\n")
+    ceil = _ceilings(dtype, CEILING_PROBES["smoke" if SMOKE.value else "gpu"], max(repeats, 3))
+    methods, itemsize = _methods(), jnp.dtype(dtype).itemsize
     print("| model | layer | P x D | T | B | method | ms | TFLOP/s | vs non-DP |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
@@ -103,14 +194,15 @@ def main(argv):
                     g = jax.random.normal(kg, (B, T, D), jnp.float32).astype(dtype)
                     c = jnp.linspace(0.2, 1.0, B, dtype=jnp.float32)
                     base = None
-                    for name, (fn, flops) in _methods(B, T, P, D).items():
+                    for name, (flops, nbytes) in _counts(B, T, P, D, itemsize).items():
+                        row = dict(model=model, layer=layer, P=P, D=D, T=T, B=B, method=name, flops=flops,
+                                   bytes=nbytes)
                         try:
-                            s = _time(jax.jit(fn), (x, g, c), repeats)
-                            row = dict(model=model, layer=layer, P=P, D=D, T=T, B=B, method=name, status="ok",
-                                       seconds=s, flops=flops, tflops=flops / s / 1e12)
+                            s = _time(jax.jit(methods[name]), (x, g, c), repeats)
+                            row.update(status="ok", seconds=s, tflops=flops / s / 1e12)
                         except Exception as e:  # noqa: BLE001 - an OOM or a lowering failure is a result
-                            row = dict(model=model, layer=layer, P=P, D=D, T=T, B=B, method=name,
-                                       status=type(e).__name__, error=str(e).splitlines()[0][:200])
+                            row.update(status=type(e).__name__, error=str(e).splitlines()[0][:200])
+                        row.update(_roofline(row, ceil["R"], ceil["W"]))
                         base = row if name == "nondp_wgrad" else base
                         rows.append(row)
                         if row["status"] == "ok":
@@ -120,7 +212,8 @@ def main(argv):
                             cells = [row["status"]] * 3
                         print(f"| {model} | {layer} | {P} x {D} | {T} | {B} | {name} | " + " | ".join(cells) + " |",
                               flush=True)
-    write_results(OUT.value, rows, dtype=dtype)
+    _print_where_time_goes(rows, ceil, device)
+    write_results(OUT.value, rows, dtype=dtype, ceilings=ceil)
 
 
 if __name__ == "__main__":
