@@ -1,6 +1,7 @@
-"""Data and sequence parallel DP on jax.sharding meshes: DP-ZeRO stages 0-3 and context parallelism."""
+"""Data and sequence parallel DP on jax.sharding meshes: DP-ZeRO stages 0-3, context parallelism, and the
+collective bytes of the compiled step (`collectives`)."""
 
-from jaxdp.sharding import context, context_parallel
+from jaxdp.sharding import collectives, context, context_parallel
 from jaxdp.sharding.dp_step import ShardedDPState, ShardedDPStep
 from jaxdp.sharding.mesh import (
     DATA,
@@ -17,6 +18,7 @@ __all__ = [
     "SEQ",
     "ShardedDPState",
     "ShardedDPStep",
+    "collectives",
     "context",
     "context_parallel",
     "make_mesh",

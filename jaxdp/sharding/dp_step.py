@@ -27,6 +27,15 @@ creates its zero slots varying over the same manual axes as the activations
 they stand for, and takes no gradient with respect to the replicated
 parameters, so no cotangent comes back implicitly psum-ed over the mesh (the
 pitfall in DESIGN.md); every collective here is explicit.
+
+`private=False` is the non-DP baseline on the same layout: step 1 becomes
+the ordinary gradient of `sum(losses)` (one backward pass, no per-example
+gradients, no norms, no clipping) with respect to the parameters marked
+varying over the mesh (so autodiff inserts no implicit psum), and step 3
+draws no noise; the mesh, the shardings, the ZeRO gathers and the
+reductions of step 2 are the same code. The collectives of the two programs
+therefore differ only by what DP itself adds (`jaxdp.sharding.collectives`
+measures it).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp import clipping as clipping_lib
 from jaxdp import norms as norms_lib
+from jaxdp._tape import varying_axes, varying_like
 from jaxdp.fused_clip import clipped_aggregate
 from jaxdp.per_example import per_example_grads
 from jaxdp.sharding import context, context_parallel
@@ -64,18 +74,24 @@ class ShardedDPStep:
     `out` holds the per-example `losses` (B,) and the privatised mean gradient
     `grads` handed to the optimizer. `step.update_model(model, state)` writes
     the parameters back into an NNX model.
+
+    `private=False` builds the non-DP baseline with the same layout and
+    reductions: `grads` is the gradient of `sum(losses) / expected_batch_size`
+    (the mean loss when the batch holds `expected_batch_size` real examples),
+    by ordinary autodiff; `l2_norm_clip`, `noise_multiplier` and the clipping
+    options are then ignored. It is not differentially private.
     """
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh, *,
                  l2_norm_clip: float, noise_multiplier: float, expected_batch_size: float,
                  seed: int = 0, zero_stage: int = 0, clipping="flat", clip_fn: str = "abadi",
                  gamma: float = 0.01, strategy: str = "auto", group_weights=None,
-                 chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE):
+                 chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE, private: bool = True):
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
-        if l2_norm_clip <= 0:
+        if private and l2_norm_clip <= 0:
             raise ValueError(f"l2_norm_clip must be > 0, got {l2_norm_clip}")
-        if noise_multiplier < 0:
+        if private and noise_multiplier < 0:
             raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
         if expected_batch_size <= 0:
             raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
@@ -83,8 +99,8 @@ class ShardedDPStep:
         clipping_lib.check_clip_fn(clip_fn)
         norms_lib.check_strategy(strategy)
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
-        self.zero_stage, self.seed = zero_stage, seed
-        self.noise_std = noise_multiplier * l2_norm_clip
+        self.zero_stage, self.seed, self.private = zero_stage, seed, private
+        self.noise_std = noise_multiplier * l2_norm_clip if private else 0.0
         self.expected_batch_size = expected_batch_size
         self.clip_kwargs = dict(clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,
                                 group_weights=group_weights, chunk_size=chunk_size)
@@ -133,19 +149,18 @@ class ShardedDPStep:
         return P(DATA)
 
     def _local(self, params, rest, batch, leaf_keys):
-        """Per device: per-example grads, clipping, sums over the mesh, noise (inside shard_map)."""
+        """Per device: gradient sums, then sums over the mesh and noise (inside shard_map)."""
         if self.zero_stage >= 3:
             params = jax.tree.map(
                 lambda p, d: p if d < 0 else jax.lax.all_gather(p, DATA, axis=d, tiled=True),
                 params, self.dims)
-        model = nnx.merge(self.graphdef, params, rest)
         cp_axis = SEQ if self.num_seq > 1 else None
         with context.sequence_sharded(cp_axis):
-            losses, grads = per_example_grads(self.loss_fn)(model, batch)
-            if cp_axis is None:
-                sums, _ = clipped_aggregate(grads, self.l2_norm_clip, **self.clip_kwargs)
+            if self.private:
+                losses, sums = self._clipped_sums(params, rest, batch, cp_axis)
             else:
-                sums, _ = context_parallel.clipped_aggregate(grads, self.l2_norm_clip, SEQ, **self.clip_kwargs)
+                losses, sums = self._loss_grad(params, rest, batch, cp_axis)
+            if cp_axis is not None:
                 losses = jax.lax.psum(losses, SEQ)
         leaves, treedef = jax.tree.flatten(sums)
         dims = jax.tree.leaves(self.grad_dims)
@@ -161,6 +176,31 @@ class ShardedDPStep:
                 s = s + self.noise_std * jax.random.normal(key, s.shape, s.dtype)
             out.append(s / self.expected_batch_size)
         return losses, jax.tree.unflatten(treedef, out)
+
+    def _clipped_sums(self, params, rest, batch, cp_axis):
+        """DP: per-example losses and this device's share of the clipped per-example gradient sums."""
+        model = nnx.merge(self.graphdef, params, rest)
+        losses, grads = per_example_grads(self.loss_fn)(model, batch)
+        if cp_axis is None:
+            sums, _ = clipped_aggregate(grads, self.l2_norm_clip, **self.clip_kwargs)
+        else:
+            sums, _ = context_parallel.clipped_aggregate(grads, self.l2_norm_clip, SEQ, **self.clip_kwargs)
+        return losses, sums
+
+    def _loss_grad(self, params, rest, batch, cp_axis):
+        """Non-DP: per-example losses and this device's partial gradient of their sum (one backward)."""
+        axes = (DATA, SEQ) if cp_axis is not None else (DATA,)
+        # Varying over the mesh, so the gradient is this device's partial: no cotangent comes
+        # back implicitly psum-ed (DESIGN.md's pitfall); it is reduced explicitly by the caller.
+        params = jax.tree.map(
+            lambda p: varying_like(p, tuple(a for a in axes if a not in varying_axes(p))), params)
+
+        def total_loss(params):
+            losses = self.loss_fn(nnx.merge(self.graphdef, params, rest), batch)
+            return losses.sum(), losses
+
+        grads, losses = jax.grad(total_loss, has_aux=True)(params)
+        return losses, grads
 
     def _step(self, state: ShardedDPState, batch):
         key, noise_key = jax.random.split(state.noise_key)

@@ -1,0 +1,165 @@
+"""The collectives of a compiled SPMD program and the bytes each device sends for them.
+
+`collectives(compiled)` reads the optimized HLO of a compiled `jax.jit`
+program (`compiled.as_text()`: the SPMD-partitioned module, so every shape
+is already the shape ONE device holds) and returns one `Collective` per
+collective instruction, with the number of times one execution of the
+program runs it (an op in a `while` body counts its `known_trip_count`
+times; any other called computation inherits its caller's count).
+
+Bytes per device are what one device SENDS under the bandwidth-optimal ring
+algorithm over a group of n devices, from the HLO result shape (the sum of
+its arrays for a combined, tuple-shaped op) with `size` its bytes:
+
+  all-reduce          2 (n - 1) / n x size     (reduce-scatter then all-gather)
+  all-gather          (n - 1) / n x size       (size: the gathered result)
+  reduce-scatter      (n - 1) x size           (= (n - 1) / n x the operand, n x size)
+  all-to-all          (n - 1) / n x size
+  collective-permute  size                     (each device sends its buffer once)
+
+n is the size of the op's first replica group (groups of one op have equal
+sizes; `{}` means every partition). Async pairs (`*-start` / `*-done`) are
+counted once, at the `-done` (whose result is the op's output) with the
+`-start`'s groups. These are cost-model volumes, not a measurement of the
+wire: XLA may pick another algorithm, and on fake CPU devices nothing moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
+             "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")  # unindented header
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program."""
+    kind: str          # one of KINDS
+    name: str          # the HLO instruction name
+    result_bytes: int  # bytes of its per-device result (all arrays of a tuple)
+    group_size: int    # n: devices per replica group
+    count: int = 1     # executions per run of the program (while-loop trip counts)
+
+    @property
+    def bytes_per_device(self) -> float:
+        """Bytes one device sends per execution (ring formulas of the module docstring)."""
+        n, size = self.group_size, self.result_bytes
+        if n <= 1:
+            return 0.0
+        if self.kind == "all-reduce":
+            return 2 * (n - 1) / n * size
+        if self.kind == "reduce-scatter":
+            return (n - 1) * size
+        if self.kind == "collective-permute":
+            return float(size)
+        return (n - 1) / n * size  # all-gather, all-to-all
+
+
+def _array_bytes(shape_text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _ITEMSIZE[dtype]
+    return total
+
+
+def _group_size(attrs: str, num_partitions: int) -> int:
+    iota = re.search(r"replica_groups=\[([0-9,]+)\]<=", attrs)
+    if iota:  # [num_groups, group_size]<=[...]: iota device list
+        return int(iota.group(1).split(",")[-1])
+    explicit = re.search(r"replica_groups=\{(\{[^}]*\}|)", attrs)
+    if explicit is None or not explicit.group(1).strip("{}"):
+        return num_partitions  # no groups, or {}: all devices in one group
+    return len(explicit.group(1).strip("{}").split(","))
+
+
+def _parse(hlo: str):
+    """{computation: [(name, result_text, opcode, rest)]}, the entry's name, num_partitions."""
+    computations, entry, current = {}, None, None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(2)
+            computations[current] = []
+            if m.group(1):
+                entry = current
+            continue
+        m = _INSTRUCTION.match(line)
+        if m and current is not None:
+            computations[current].append(m.groups())
+    partitions = re.search(r"\bnum_partitions=(\d+)", hlo)
+    return computations, entry, int(partitions.group(1)) if partitions else 1
+
+
+def _counts(computations, entry) -> dict[str, int | None]:
+    """Executions of each computation per run of the entry; None where a `while` has no known trip count.
+
+    HLO text lists computations in post order (callees before callers), so walking it backwards
+    visits every caller of a computation before the computation itself.
+    """
+    counts: dict[str, int | None] = {entry: 1}
+    for comp in reversed(list(computations)):
+        if comp not in counts:
+            continue
+        for _, _, opcode, rest in computations[comp]:
+            callees = _CALLED.findall(rest)
+            for branches in _BRANCHES.findall(rest):
+                callees += [b.strip().lstrip("%") for b in branches.split(",") if b.strip()]
+            times = counts[comp]
+            if opcode == "while" and times is not None:
+                trip = _TRIP_COUNT.search(rest)
+                times = times * int(trip.group(1)) if trip else None
+            for callee in callees:
+                if callee in computations:
+                    known = counts.get(callee, 0)
+                    counts[callee] = None if known is None or times is None else known + times
+    return counts
+
+
+def collectives(compiled) -> list[Collective]:
+    """Every collective of a compiled program (a `jax.stages.Compiled` or its HLO text).
+
+    Raises ValueError if a collective sits in a `while` loop without a known
+    trip count (its executions per step would be unknown).
+    """
+    hlo = compiled if isinstance(compiled, str) else compiled.as_text()
+    computations, entry, num_partitions = _parse(hlo)
+    counts = _counts(computations, entry)
+    starts = {}
+    found = []
+    for comp, instructions in computations.items():
+        for name, result, opcode, rest in instructions:
+            kind = opcode.removesuffix("-start").removesuffix("-done")
+            if kind not in KINDS:
+                continue
+            if opcode.endswith("-start"):
+                starts[name] = rest
+                continue
+            if opcode.endswith("-done"):
+                operand = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
+                rest = starts[operand]
+            count = counts.get(comp, 0)
+            if count is None:
+                raise ValueError(f"{opcode} {name} runs in a while loop without a known trip count")
+            found.append(Collective(kind, name, _array_bytes(result), _group_size(rest, num_partitions), count))
+    return found
+
+
+def bytes_by_kind(compiled) -> dict[str, float]:
+    """{kind: bytes one device sends per run of the program}, every kind of KINDS present (0 if none)."""
+    totals = dict.fromkeys(KINDS, 0.0)
+    for c in collectives(compiled):
+        totals[c.kind] += c.count * c.bytes_per_device
+    return totals
