@@ -1,4 +1,4 @@
-"""Samples text from a run directory of `experiments.pretrain_gpt2`.
+"""Samples text from a run directory of `experiments.pretrain_gpt2` (GPT-2 or Llama).
 
     python -m experiments.generate --workdir=runs/pretrain_gpt2 --prompt="The state of the Union"
 """

@@ -1,7 +1,9 @@
-"""DP pretraining of GPT-2 on real text, end to end.
+"""DP pretraining of GPT-2 (or Llama) on real text, end to end.
 
-    python -m experiments.pretrain_gpt2                      # default CPU config
+    python -m experiments.pretrain_gpt2                      # default CPU config (GPT-2)
     python -m experiments.pretrain_gpt2 --config=experiments/configs/gpt2_small.py
+    python -m experiments.pretrain_gpt2 --config=experiments/configs/llama_tiny.py   # Llama (CPU)
+    python -m experiments.pretrain_gpt2 --config=experiments/configs/llama_1b.py     # Llama 3.2 1B shape (GPU)
     python -m experiments.pretrain_gpt2 --config.dp.enabled=False --config.workdir=runs/nondp
 
     python -m experiments.pretrain_gpt2 --config.mesh.data=2 --config.mesh.seq=4 --config.mesh.zero_stage=1
@@ -13,8 +15,9 @@ with JAX_COORDINATOR_ADDRESS=<host 0>:<port>, JAX_NUM_PROCESSES=<hosts> and
 JAX_PROCESS_ID=<0..hosts-1> set; `jax.distributed.initialize()` is then called
 before anything else touches the devices.
 
-Rerunning the same command resumes the run in `--config.workdir`. The logic
-lives in `jaxdp.training`.
+`config.model.family` ("gpt2" | "llama") picks the model; each family has its
+own `config.model` fields (see the two CPU configs). Rerunning the same command
+resumes the run in `--config.workdir`. The logic lives in `jaxdp.training`.
 """
 
 import os
@@ -42,7 +45,7 @@ def _print_summary(s: dict, workdir: str) -> None:
         f"  delta            {fmt(s['delta'], '.3g')}",
         f"  sigma            {fmt(s['noise_multiplier'], '.4g')}",
         f"  tokens/s         {fmt(s['tokens_per_s'], ',.0f')}",
-        f"  params           {s['num_params']:,}   tokenizer {s['tokenizer']} (vocab {s['vocab_size']})",
+        f"  params           {s['num_params']:,} ({s['model']})   tokenizer {s['tokenizer']} (vocab {s['vocab_size']})",
     ]
     print("\n".join(lines), flush=True)
 
@@ -50,11 +53,11 @@ def _print_summary(s: dict, workdir: str) -> None:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    from jaxdp import training  # after flag parsing: a --help stays fast
+    from jaxdp import data, training  # after flag parsing: a --help stays fast
     config = _CONFIG.value
     training.maybe_initialize_distributed()  # multi-host: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
     try:
-        prepared = training.prepare(config, progress=training.data_lib.stderr_progress)
+        prepared = training.prepare(config, progress=data.stderr_progress)
     except training.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -36,19 +36,23 @@ TINY = {
 }
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def write_tiny_corpus(directory: pathlib.Path) -> pathlib.Path:
     """A small real-text corpus: 12 State of the Union addresses, 4000 characters each."""
-    d = tmp_path_factory.mktemp("corpus")
     with gzip.open(CORPUS, "rt") as f:
         docs = [json.loads(line)["text"][:4000] for _, line in zip(range(12), f)]
-    path = d / "tiny.jsonl"
+    path = directory / "tiny.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
     return path
 
 
-def tiny_config(corpus, workdir, **overrides):
-    c = default.get_config()
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def tiny_config(corpus, workdir, base=default, **overrides):
+    """`base.get_config()` (a module of experiments/configs) at the TINY sizes, plus `overrides` ("a__b": a.b)."""
+    c = base.get_config()
     settings = dict(TINY, **{"workdir": str(workdir), "data.path": str(corpus),
                              "data.cache_dir": str(pathlib.Path(corpus).parent / "cache")})
     settings.update({k.replace("__", "."): v for k, v in overrides.items()})

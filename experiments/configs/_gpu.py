@@ -3,7 +3,8 @@
 from experiments.configs import default
 
 
-def gpu_config(n_layer: int, n_head: int, d_model: int, name: str):
+def gpu_base(name: str):
+    """The GPU run settings on top of `default`, with its (GPT-2) model section."""
     c = default.get_config()
     c.workdir = f"runs/pretrain_{name}"
     c.steps = 2000
@@ -20,11 +21,17 @@ def gpu_config(n_layer: int, n_head: int, d_model: int, name: str):
     c.warmup_steps = 100
     c.weight_decay = 0.1
     c.dtype = "bfloat16"
-    c.model.n_layer, c.model.n_head, c.model.d_model = n_layer, n_head, d_model
-    c.model.max_seq_len = 1024
     c.data.tokenizer = "gpt2"
     c.remat = "none"         # "dots" / "full" trade recompute for activation memory (exact under DP)
     c.mesh.data = 1          # e.g. 8 on one 8-GPU host (accumulation_steps must then be 1)
     c.mesh.seq = 1           # context parallel degree (long sequences)
     c.mesh.zero_stage = 0    # 1-3 shard optimizer state / gradients / parameters over `data`
+    return c
+
+
+def gpu_config(n_layer: int, n_head: int, d_model: int, name: str):
+    """A GPT-2 of the given shape with the GPU run settings."""
+    c = gpu_base(name)
+    c.model.n_layer, c.model.n_head, c.model.d_model = n_layer, n_head, d_model
+    c.model.max_seq_len = 1024
     return c

@@ -36,6 +36,7 @@ def get_config() -> config_dict.ConfigDict:
     c.accountant = "rdp"                 # privacy accountant: "rdp" | "pld"
 
     c.model = config_dict.ConfigDict()
+    c.model.family = "gpt2"              # "gpt2" | "llama" (fields: experiments/configs/llama_tiny.py)
     c.model.n_layer = 4                  # transformer blocks
     c.model.n_head = 6                   # attention heads
     c.model.d_model = 192                # residual width

@@ -1,0 +1,56 @@
+"""DP (and non-DP) language-model pretraining: the tested logic behind `experiments/pretrain_gpt2.py`.
+
+`train(config)` runs one training job described by an ml_collections config
+(every field: `experiments/configs/default.py`; a Llama model:
+`experiments/configs/llama_tiny.py`):
+
+  1. `prepare(config)` (`config`) validates every value, loads the corpus,
+     builds the tokenizer and the token windows (the DP records), calibrates
+     sigma and checks any existing run directory, all BEFORE anything is
+     written to the workdir; a bad value raises `ConfigError` with a one-line
+     message. `config.model.family` ("gpt2" | "llama") picks the model.
+  2. The loop (`loop`): Poisson sampling on the host, one jitted step per
+     micro-batch (`steps`: `per_example_grads` -> `fused_clip` -> adamw inside
+     `nnx.Optimizer`, the plain mean-loss gradient when `dp.enabled=False`, or
+     `jaxdp.sharding.ShardedDPStep` on a (data, seq) mesh when
+     `mesh.data * mesh.seq > 1`), and the privacy accountant, which stops
+     training before `dp.target_epsilon` is exceeded.
+  3. The run directory (`run_dir`): `config.json`, `metrics.jsonl`,
+     `tokenizer/`, orbax checkpoints (the latest is kept), `summary.json`,
+     plots and `samples.txt` (`generation`).
+
+Rerunning with the same config resumes from the latest checkpoint and writes
+exactly the metrics of an uninterrupted run; a different config in the same
+workdir is an error, not a silent mix. `load_for_generation(workdir)` and
+`generate` sample from a finished (or interrupted) run.
+"""
+
+from jaxdp.training.config import MODEL_FAMILIES
+from jaxdp.training.config import ConfigError
+from jaxdp.training.config import Prepared
+from jaxdp.training.config import build_model
+from jaxdp.training.config import model_config
+from jaxdp.training.config import prepare
+from jaxdp.training.config import validate_config
+from jaxdp.training.generation import generate
+from jaxdp.training.generation import load_for_generation
+from jaxdp.training.loop import maybe_initialize_distributed
+from jaxdp.training.loop import train
+from jaxdp.training.run_dir import read_metrics
+from jaxdp.training.steps import evaluate
+
+__all__ = [
+    "MODEL_FAMILIES",
+    "ConfigError",
+    "Prepared",
+    "build_model",
+    "evaluate",
+    "generate",
+    "load_for_generation",
+    "maybe_initialize_distributed",
+    "model_config",
+    "prepare",
+    "read_metrics",
+    "train",
+    "validate_config",
+]

@@ -1,0 +1,281 @@
+"""The job's config: validation, the model it names, and `prepare` (data, tokenizer, sampler, sigma).
+
+Nothing here writes to the run directory: `prepare(config)` checks every value
+and every input (corpus, tokenizer, an existing run's config) first, so a bad
+value raises `ConfigError` with a one-line message and leaves the workdir as
+it was.
+
+`config.model.family` picks the architecture, and with it the fields of
+`config.model` (see `MODEL_FIELDS`): "gpt2" (`jaxdp.models.gpt2`,
+`experiments/configs/default.py`) or "llama" (`jaxdp.models.llama`,
+`experiments/configs/llama_tiny.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxdp import accounting
+from jaxdp import data as data_lib
+from jaxdp import norms as norms_lib
+from jaxdp.models.gpt2 import GPT2, GPT2Config
+from jaxdp.models.llama import Llama, LlamaConfig
+from jaxdp.models.remat import REMAT_POLICIES
+from jaxdp.sampling import OVERFLOW_MODES, PoissonSampler
+from jaxdp.training.run_dir import CONFIG_FILE, TOKENIZER_DIR
+
+
+class ConfigError(ValueError):
+    """A bad config value or input; the message is one line naming the problem."""
+
+
+# ------------------------------------------------------------------ the model family
+
+MODEL_FAMILIES = ("gpt2", "llama")
+
+# The fields of `config.model` for each family, besides `family` itself.
+MODEL_FIELDS = {
+    "gpt2": ("n_layer", "n_head", "d_model", "mlp_ratio", "max_seq_len"),
+    "llama": ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_seq_len",
+              "rope_theta", "rope_scaling", "tie_embeddings"),
+}
+
+
+def model_config(model: Mapping, vocab_size: int, *, dtype: str,
+                 remat: bool | str) -> GPT2Config | LlamaConfig:
+    """The `GPT2Config` / `LlamaConfig` of `config.model` (a ConfigDict, or its dict from config.json)."""
+    common = dict(vocab_size=vocab_size, seq_len=model["max_seq_len"], n_layer=model["n_layer"],
+                  n_head=model["n_head"], d_model=model["d_model"], dtype=dtype, remat=remat)
+    if model["family"] == "gpt2":
+        return GPT2Config(mlp_ratio=model["mlp_ratio"], **common)
+    return LlamaConfig(n_kv_head=model["n_kv_head"], d_ff=model["d_ff"], rope_theta=float(model["rope_theta"]),
+                       rope_scaling=model["rope_scaling"], tie_embeddings=model["tie_embeddings"], **common)
+
+
+def build_model(config: GPT2Config | LlamaConfig, seed: int) -> nnx.Module:
+    """A freshly initialised `GPT2` or `Llama`."""
+    cls = GPT2 if isinstance(config, GPT2Config) else Llama
+    return cls(config, rngs=nnx.Rngs(seed))
+
+
+def mesh_size(config) -> int:
+    return config.mesh.data * config.mesh.seq
+
+
+# ------------------------------------------------------------------ validation
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _get(config, dotted: str):
+    for part in dotted.split("."):
+        config = config[part]
+    return config
+
+
+def _positive_int(config, name: str) -> None:
+    value = _get(config, name)
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+             f"config.{name} must be an integer >= 1, got {value!r}")
+
+
+def _validate_model(config) -> None:
+    m = config.model
+    family = m.get("family")
+    _require(family in MODEL_FAMILIES, f"config.model.family must be one of {MODEL_FAMILIES}, got {family!r}")
+    fields = MODEL_FIELDS[family]
+    missing = [f for f in fields if f not in m]
+    _require(not missing, f"config.model.family={family!r} needs config.model.{{{', '.join(missing)}}} "
+                          f"(start from experiments/configs/{'default' if family == 'gpt2' else 'llama_tiny'}.py)")
+    extra = sorted(set(m.keys()) - set(fields) - {"family"})
+    _require(not extra, f"config.model.{{{', '.join(extra)}}} does not apply to config.model.family={family!r}")
+    for name in fields:
+        if name not in ("rope_theta", "rope_scaling", "tie_embeddings"):
+            _positive_int(config, f"model.{name}")
+    _require(config.seq_len <= m.max_seq_len,
+             f"config.seq_len ({config.seq_len}) is longer than the model's maximum sequence "
+             f"length config.model.max_seq_len ({m.max_seq_len})")
+    _require(m.d_model % m.n_head == 0,
+             f"config.model.d_model ({m.d_model}) must be divisible by config.model.n_head ({m.n_head})")
+    if family == "llama":
+        _require(m.n_head % m.n_kv_head == 0,
+                 f"config.model.n_head ({m.n_head}) must be divisible by config.model.n_kv_head ({m.n_kv_head})")
+        _require((m.d_model // m.n_head) % 2 == 0,
+                 f"config.model.d_model // config.model.n_head ({m.d_model // m.n_head}) must be even for RoPE")
+        _require(isinstance(m.rope_theta, (int, float)) and m.rope_theta > 0 and math.isfinite(m.rope_theta),
+                 f"config.model.rope_theta must be > 0, got {m.rope_theta!r}")
+        _require(m.rope_scaling is None or (isinstance(m.rope_scaling, (int, float)) and m.rope_scaling >= 1),
+                 f"config.model.rope_scaling must be None or >= 1, got {m.rope_scaling!r}")
+        _require(isinstance(m.tie_embeddings, bool),
+                 f"config.model.tie_embeddings must be True or False, got {m.tie_embeddings!r}")
+
+
+def validate_config(config) -> None:
+    """Range checks of every numeric / enum field; raises ConfigError naming the first bad one."""
+    for name in ("steps", "checkpoint_every", "log_every", "eval_every", "eval_windows",
+                 "eval_batch_size", "batch_size", "accumulation_steps", "seq_len"):
+        _positive_int(config, name)
+    _require(isinstance(config.seed, int) and 0 <= config.seed < 2**31,
+             f"config.seed must be an integer in [0, 2**31), got {config.seed!r}")
+    _require(config.checkpoint_every % config.log_every == 0,
+             f"config.checkpoint_every ({config.checkpoint_every}) must be a multiple of "
+             f"config.log_every ({config.log_every})")
+    _validate_model(config)
+    _require(config.learning_rate > 0 and math.isfinite(config.learning_rate),
+             f"config.learning_rate must be > 0, got {config.learning_rate!r}")
+    _require(0 <= config.min_lr_ratio <= 1, f"config.min_lr_ratio must be in [0, 1], got {config.min_lr_ratio!r}")
+    _require(isinstance(config.warmup_steps, int) and config.warmup_steps >= 0,
+             f"config.warmup_steps must be an integer >= 0, got {config.warmup_steps!r}")
+    _require(config.weight_decay >= 0, f"config.weight_decay must be >= 0, got {config.weight_decay!r}")
+    for name in ("b1", "b2"):
+        _require(0 <= _get(config, name) < 1, f"config.{name} must be in [0, 1), got {_get(config, name)!r}")
+    _require(config.remat in REMAT_POLICIES or isinstance(config.remat, bool),
+             f"config.remat must be one of {REMAT_POLICIES}, got {config.remat!r}")
+    for name in ("mesh.data", "mesh.seq"):
+        _positive_int(config, name)
+    _require(config.mesh.zero_stage in (0, 1, 2, 3),
+             f"config.mesh.zero_stage must be 0, 1, 2 or 3, got {config.mesh.zero_stage!r}")
+    if mesh_size(config) > 1:
+        _require(mesh_size(config) <= jax.device_count(),
+                 f"config.mesh.data * config.mesh.seq = {mesh_size(config)} exceeds the "
+                 f"{jax.device_count()} devices available")
+        _require(config.dp.enabled and config.dp.strategy != "reference",
+                 "a mesh of more than one device runs the DP step (dp.enabled=True, dp.strategy != 'reference')")
+        _require(config.accumulation_steps == 1,
+                 "a mesh of more than one device needs config.accumulation_steps == 1")
+        _require(config.seq_len % config.mesh.seq == 0,
+                 f"config.seq_len ({config.seq_len}) must be divisible by config.mesh.seq ({config.mesh.seq})")
+    _require(config.dtype in ("float32", "bfloat16"),
+             f"config.dtype must be 'float32' or 'bfloat16', got {config.dtype!r}")
+    _require(config.accountant in accounting.ACCOUNTANTS,
+             f"config.accountant must be one of {accounting.ACCOUNTANTS}, got {config.accountant!r}")
+    _require(0 < config.data.validation_fraction < 1,
+             f"config.data.validation_fraction must be in (0, 1), got {config.data.validation_fraction!r}")
+    _require(isinstance(config.workdir, str) and config.workdir.strip() != "",
+             "config.workdir must be a non-empty path")
+    mb = config.max_batch_size
+    _require(mb is None or (isinstance(mb, int) and mb >= config.accumulation_steps),
+             f"config.max_batch_size must be None or an integer >= accumulation_steps, got {mb!r}")
+    dp = config.dp
+    _require(dp.l2_norm_clip > 0 and math.isfinite(dp.l2_norm_clip),
+             f"config.dp.l2_norm_clip must be > 0, got {dp.l2_norm_clip!r}")
+    _require(dp.clipping in ("flat", "per_layer"),
+             f"config.dp.clipping must be 'flat' or 'per_layer', got {dp.clipping!r}")
+    _require(dp.clip_fn in ("abadi", "automatic"),
+             f"config.dp.clip_fn must be 'abadi' or 'automatic', got {dp.clip_fn!r}")
+    strategies = norms_lib.STRATEGIES + ("reference",)
+    _require(dp.strategy in strategies,
+             f"config.dp.strategy must be one of {strategies}, got {dp.strategy!r}")
+    _require(dp.overflow in OVERFLOW_MODES,
+             f"config.dp.overflow must be one of {OVERFLOW_MODES}, got {dp.overflow!r}")
+    if dp.enabled:
+        _require(dp.target_epsilon is not None and dp.target_epsilon > 0 and math.isfinite(dp.target_epsilon),
+                 f"config.dp.target_epsilon must be a finite number > 0, got {dp.target_epsilon!r}")
+        _require(dp.noise_multiplier is None or (dp.noise_multiplier > 0 and math.isfinite(dp.noise_multiplier)),
+                 f"config.dp.noise_multiplier must be None (calibrate) or > 0, got {dp.noise_multiplier!r}")
+        _require(dp.delta is None or 0 < dp.delta < 1,
+                 f"config.dp.delta must be None (1/N) or in (0, 1), got {dp.delta!r}")
+
+
+# ------------------------------------------------------------------ preparation (no writes)
+
+
+@dataclasses.dataclass
+class Prepared:
+    config: Any
+    config_json: dict
+    workdir: pathlib.Path
+    tokenizer: data_lib.Tokenizer
+    train: data_lib.TokenWindows
+    valid: data_lib.TokenWindows
+    model_config: GPT2Config | LlamaConfig
+    sampler: PoissonSampler
+    noise_multiplier: float
+    delta: float | None
+    eval_indices: np.ndarray
+
+
+def prepare(config, *, progress: Callable | None = None) -> Prepared:
+    """Validates the config and builds data, tokenizer, sampler and sigma; writes nothing to the workdir."""
+    validate_config(config)
+    workdir = pathlib.Path(config.workdir)
+    cfg_json = json.loads(config.to_json_best_effort(sort_keys=True))
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"config.workdir {workdir} exists and is not a directory")
+    try:
+        docs = data_lib.load_documents(config.data.path)
+    except ValueError as e:
+        raise ConfigError(f"config.data.path: {e}") from None
+    saved = workdir / CONFIG_FILE
+    if saved.is_file():
+        old = json.loads(saved.read_text())
+        diff = sorted(k for k in set(_flat(old)) | set(_flat(cfg_json))
+                      if _flat(old).get(k) != _flat(cfg_json).get(k))
+        if diff:
+            raise ConfigError(
+                f"workdir {workdir} holds a run with a different config (differs in: "
+                f"{', '.join(diff[:5])}); pass a new --config.workdir to start another run")
+    tok_dir = workdir / TOKENIZER_DIR
+    try:
+        if (tok_dir / "tokenizer.json").is_file():
+            tokenizer = data_lib.Tokenizer.load(tok_dir)
+        else:
+            tokenizer = data_lib.make_tokenizer(config.data.tokenizer, docs)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"config.data.tokenizer: {e}") from None
+    kw = dict(validation_fraction=config.data.validation_fraction, seed=config.seed,
+              cache_dir=config.data.cache_dir, progress=progress)
+    try:
+        train = data_lib.TokenWindows(docs, tokenizer, config.seq_len, split="train", **kw)
+        valid = data_lib.TokenWindows(docs, tokenizer, config.seq_len, split="validation", **kw)
+    except ValueError as e:
+        raise ConfigError(f"config.data: {e}") from None
+    n = train.num_windows
+    _require(config.batch_size <= n,
+             f"config.batch_size ({config.batch_size}) exceeds the {n} training windows of the corpus")
+    k = config.accumulation_steps
+    try:
+        sampler = PoissonSampler(n, config.batch_size, max_batch_size=config.max_batch_size,
+                                 seed=config.seed, overflow=config.dp.overflow)
+    except ValueError as e:
+        raise ConfigError(f"sampler: {e}") from None
+    if sampler.max_batch_size % k:  # room for k equal micro-batches
+        sampler.max_batch_size += k - sampler.max_batch_size % k
+    data = config.mesh.data if mesh_size(config) > 1 else 1
+    if sampler.max_batch_size % data:  # equal shards over the `data` axis
+        sampler.max_batch_size += data - sampler.max_batch_size % data
+    delta, sigma = None, 0.0
+    if config.dp.enabled:
+        delta = config.dp.delta if config.dp.delta is not None else 1.0 / n
+        if config.dp.noise_multiplier is not None:
+            sigma = float(config.dp.noise_multiplier)
+        else:
+            sigma = accounting.calibrate_noise_multiplier(
+                config.dp.target_epsilon, sampler.sampling_probability, config.steps, delta,
+                accountant=config.accountant)
+    m = valid.num_windows
+    eval_indices = np.unique(np.linspace(0, m - 1, min(m, config.eval_windows)).astype(np.int64))
+    mc = model_config(config.model, tokenizer.vocab_size, dtype=config.dtype, remat=config.remat)
+    return Prepared(config, cfg_json, workdir, tokenizer, train, valid, mc, sampler, sigma, delta, eval_indices)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -1,0 +1,87 @@
+"""Sampling from a trained model: `generate`, `samples.txt`, and loading a run directory for generation."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdp import data as data_lib
+from jaxdp.training.config import ConfigError, Prepared, build_model, model_config
+from jaxdp.training.run_dir import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    SAMPLES_FILE,
+    TOKENIZER_DIR,
+    Checkpointer,
+)
+
+
+def generate(model: nnx.Module, prompt: list[int], num_tokens: int, *, seed: int = 0,
+             temperature: float = 1.0, top_k: int | None = 40) -> list[int]:
+    """Samples `num_tokens` continuation ids of `prompt` (a fixed-shape window of the model's length)."""
+    T = model.config.seq_len
+    ids = list(prompt)[-(T - 1):] if len(prompt) >= T else list(prompt)
+    key = jax.random.key(seed)
+    out = []
+    for _ in range(num_tokens):
+        window = ids[-T:]
+        buf = np.zeros((1, T), np.int32)
+        buf[0, :len(window)] = window
+        key, sub = jax.random.split(key)
+        nxt = int(_next_token(model, buf, len(window) - 1, sub, temperature, top_k))
+        ids.append(nxt)
+        out.append(nxt)
+    return out
+
+
+@nnx.jit(static_argnums=(4, 5))
+def _next_token(model, buf_1T, pos, key, temperature, top_k):
+    logits_V = model(buf_1T)[0, pos]
+    if temperature <= 0:
+        return jnp.argmax(logits_V)
+    logits_V = logits_V / temperature
+    if top_k is not None and top_k < logits_V.shape[0]:
+        kth = jax.lax.top_k(logits_V, top_k)[0][-1]
+        logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
+    return jax.random.categorical(key, logits_V)
+
+
+def write_samples(model, p: Prepared, config) -> None:
+    """`samples.txt`: continuations of prompts cut from validation windows."""
+    prompt_len = max(1, min(config.seq_len // 2, 32))
+    parts = []
+    picks = np.linspace(0, p.valid.num_windows - 1, config.num_samples).astype(np.int64)
+    for i, w in enumerate(picks):
+        prompt = p.valid.get(np.array([w]))[0, :prompt_len].tolist()
+        cont = generate(model, prompt, config.sample_tokens, seed=config.seed + i)
+        parts.append(f"=== sample {i + 1} (validation window {int(w)}) ===\n"
+                     f"[prompt] {p.tokenizer.decode(prompt)}\n"
+                     f"[continuation] {p.tokenizer.decode(cont)}\n")
+    (p.workdir / SAMPLES_FILE).write_text("\n".join(parts))
+
+
+def load_for_generation(workdir) -> tuple[nnx.Module, data_lib.Tokenizer, dict]:
+    """(model with the latest checkpoint's parameters, tokenizer, config json) of a run directory.
+
+    The model is the run's `GPT2` or `Llama` (`config.model.family`; run
+    directories written before that key existed are GPT-2), without remat.
+    """
+    workdir = pathlib.Path(workdir)
+    if not (workdir / CONFIG_FILE).is_file():
+        raise ConfigError(f"{workdir} is not a run directory (no {CONFIG_FILE})")
+    cfg = json.loads((workdir / CONFIG_FILE).read_text())
+    tokenizer = data_lib.Tokenizer.load(workdir / TOKENIZER_DIR)
+    model_json = dict({"family": "gpt2"}, **cfg["model"])
+    model = build_model(model_config(model_json, tokenizer.vocab_size, dtype=cfg["dtype"], remat=False), seed=0)
+    checkpointer = Checkpointer(workdir / CHECKPOINT_DIR)
+    step = checkpointer.latest_step()
+    if step is None:
+        raise ConfigError(f"{workdir} has no checkpoint yet")
+    checkpointer.restore_model(step, model)
+    checkpointer.close()
+    return model, tokenizer, cfg

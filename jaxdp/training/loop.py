@@ -1,0 +1,224 @@
+"""The training loop: `train(config)` runs (or resumes) one pretraining job and returns its summary.
+
+Poisson sampling on the host (`jaxdp.sampling`; the draw of step s depends
+only on (seed, s)), one jitted step per micro-batch (`jaxdp.training.steps`),
+the privacy accountant (`jaxdp.accounting.BudgetTracker`), which stops
+training BEFORE the step that would exceed `dp.target_epsilon`, metrics,
+evaluation and checkpoints in the run directory (`jaxdp.training.run_dir`).
+With `mesh.data * mesh.seq > 1` the DP step runs on a (data, seq) mesh
+(`steps.ShardedTrainer`); `maybe_initialize_distributed()` joins several hosts.
+
+Resume: rerunning with the same config restores the latest checkpoint and
+drops the `metrics.jsonl` lines after it, so an interrupted-and-resumed run
+writes exactly the metrics of an uninterrupted one (steps, hence epsilon, are
+restored, never counted twice).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxdp import accounting
+from jaxdp import data as data_lib
+from jaxdp.training.config import Prepared, build_model, mesh_size, prepare
+from jaxdp.training.generation import write_samples
+from jaxdp.training.run_dir import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    TOKENIZER_DIR,
+    Checkpointer,
+    Progress,
+    log,
+    read_json,
+    read_metrics,
+    write_metrics,
+    write_plots,
+)
+from jaxdp.training.steps import (
+    ShardedTrainer,
+    evaluate,
+    make_optimizer,
+    make_train_step,
+)
+
+
+def maybe_initialize_distributed() -> bool:
+    """`jax.distributed.initialize()` when JAX_COORDINATOR_ADDRESS is set (multi-host runs).
+
+    Every host runs the same command with JAX_COORDINATOR_ADDRESS=<host0>:<port>,
+    JAX_NUM_PROCESSES=<hosts> and JAX_PROCESS_ID=<0..hosts-1> (read by JAX
+    itself). Returns whether it initialized.
+    """
+    if not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return False
+    jax.distributed.initialize()
+    return True
+
+
+def train(config, *, prepared: Prepared | None = None, interrupt_after: int | None = None,
+          verbose: bool = True) -> dict:
+    """Runs (or resumes) the training job of `config`; returns the summary dict.
+
+    Args:
+      config: an ml_collections ConfigDict as in `experiments/configs/default.py`.
+      prepared: the result of `prepare(config)`, if already computed.
+      interrupt_after: for tests: return right after this step, as if the
+        process had been killed there (no final checkpoint, no summary).
+      verbose: progress bar and messages on stderr.
+    """
+    p = prepared or prepare(config, progress=data_lib.stderr_progress if verbose else None)
+    workdir = p.workdir
+    # ---- from here on the workdir is written
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / CONFIG_FILE).write_text(json.dumps(p.config_json, indent=2, sort_keys=True) + "\n")
+    if not (workdir / TOKENIZER_DIR / "tokenizer.json").is_file():
+        p.tokenizer.save(workdir / TOKENIZER_DIR)
+
+    dp = config.dp.enabled
+    k = config.accumulation_steps
+    sampler = p.sampler
+    q = sampler.sampling_probability
+    model = build_model(p.model_config, config.seed)
+    optimizer = make_optimizer(config, model, noise_multiplier=p.noise_multiplier,
+                               expected_batch_size=config.batch_size)
+    tracker = None
+    if dp:
+        tracker = accounting.BudgetTracker(p.noise_multiplier, q, p.delta,
+                                           target_epsilon=config.dp.target_epsilon,
+                                           accountant=config.accountant)
+    checkpointer = Checkpointer(workdir / CHECKPOINT_DIR)
+    start = checkpointer.latest_step() or 0
+    rows = read_metrics(workdir)
+    if start:
+        meta = checkpointer.restore(start, model, optimizer)
+        if tracker is not None:
+            tracker = accounting.BudgetTracker.from_state_dict(meta["accountant"])
+        log(f"resuming {workdir} from the checkpoint at step {start}", verbose)
+    rows = [r for r in rows if r["step"] <= start]
+    if start == 0:
+        rows = [{"step": 0, "train_loss": None, "epsilon": 0.0 if dp else None,
+                 "val_loss": evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)}]
+    write_metrics(workdir, rows)
+    initial_val_loss = rows[0]["val_loss"]
+
+    sharded = ShardedTrainer(config, model, optimizer, p.noise_multiplier) if mesh_size(config) > 1 else None
+    if sharded is None:
+        step_fn = make_train_step(dp, per_example="reference" if config.dp.strategy == "reference" else "jaxdp")
+    else:
+        step_fn = lambda model, optimizer, batch: sharded(batch)
+    progress = Progress(config.steps, verbose)
+    tokens_done, t_first, window_losses = 0, None, []
+    stop_reason = None
+    metrics_f = open(workdir / METRICS_FILE, "a")
+    step = start
+    try:
+        for step in range(start, config.steps):
+            if tracker is not None and not tracker.can_step():
+                stop_reason = (f"privacy budget: stopping before step {step + 1}, which would spend "
+                               f"epsilon > target_epsilon = {config.dp.target_epsilon:g} at delta = "
+                               f"{p.delta:.3g} (the budget allows {tracker.max_steps} steps)")
+                break
+            indices, mask = sampler.sample(step)
+            tokens = p.train.get(indices)
+            count = int(mask.sum())
+            loss_sum = 0.0
+            mb = sampler.max_batch_size // k
+            for j in range(k):
+                batch = {"tokens": tokens[j * mb:(j + 1) * mb], "mask": mask[j * mb:(j + 1) * mb]}
+                if not dp:
+                    batch["divisor"] = np.float32(max(count, 1))
+                loss_sum += float(step_fn(model, optimizer, batch))
+            if tracker is not None:
+                tracker.step()
+            n = step + 1
+            window_losses.append(loss_sum / max(count, 1))
+            if t_first is None:
+                t_first = time.perf_counter()  # after the first (compiling) step
+            else:
+                tokens_done += count * config.seq_len
+            tps = tokens_done / max(time.perf_counter() - t_first, 1e-9)
+            if sharded is not None and (n % config.log_every == 0 or n == config.steps
+                                        or n == interrupt_after):
+                sharded.sync()  # the host-side model / optimizer used by eval and checkpoints
+            if n % config.log_every == 0 or n == config.steps:
+                eps = tracker.epsilon() if tracker is not None else None
+                row = {"step": n, "train_loss": float(np.mean(window_losses)), "epsilon": eps}
+                window_losses = []
+                if n % config.eval_every == 0 or n == config.steps:
+                    row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)
+                rows.append(row)
+                metrics_f.write(json.dumps(row) + "\n")
+                metrics_f.flush()
+                progress.update(n, row["train_loss"], tps, eps)
+            if n % config.checkpoint_every == 0 and n != config.steps:
+                checkpointer.save(n, model, optimizer, _meta(n, tracker))
+            if interrupt_after is not None and n >= interrupt_after:
+                progress.close()
+                return {"interrupted_at": n}
+        else:
+            step = config.steps
+    finally:
+        metrics_f.close()
+    progress.close()
+    last = step if stop_reason else config.steps
+    if stop_reason:
+        log(stop_reason, verbose)
+        window_losses = []
+    if not rows or rows[-1]["step"] != last or "val_loss" not in rows[-1]:
+        # the final state, evaluated (budget stop, or a run that was already complete)
+        row = rows[-1] if rows and rows[-1]["step"] == last else {
+            "step": last, "train_loss": None,
+            "epsilon": tracker.epsilon() if tracker is not None else None}
+        row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)
+        if not rows or rows[-1] is not row:
+            rows.append(row)
+        write_metrics(workdir, rows)
+    if checkpointer.latest_step() != last:
+        checkpointer.save(last, model, optimizer, _meta(last, tracker))
+    checkpointer.close()
+
+    final = rows[-1]
+    train_losses = [r["train_loss"] for r in rows if r.get("train_loss") is not None]
+    final_train = train_losses[-1] if train_losses else None
+    previous = read_json(workdir / SUMMARY_FILE)
+    summary = {
+        "steps": last,
+        "stop_reason": stop_reason,
+        "train_loss": final_train,
+        "train_perplexity": math.exp(final_train) if final_train is not None else None,
+        "val_loss": final["val_loss"],
+        "val_perplexity": math.exp(final["val_loss"]),
+        "initial_val_loss": initial_val_loss,
+        "dp": dp,
+        "epsilon": tracker.epsilon() if tracker is not None else math.inf,
+        "delta": p.delta,
+        "noise_multiplier": p.noise_multiplier if dp else None,
+        "sampling_probability": q,
+        "expected_batch_size": config.batch_size,
+        "max_batch_size": sampler.max_batch_size,
+        "num_train_windows": p.train.num_windows,
+        "model": config.model.family,
+        "num_params": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
+        "tokenizer": p.tokenizer.name,
+        "vocab_size": p.tokenizer.vocab_size,
+        "tokens_per_s": tps if tokens_done else (previous or {}).get("tokens_per_s"),
+        "overflowed_steps_this_process": sampler.overflow_count,
+    }
+    (workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    write_plots(workdir, rows)
+    if config.num_samples > 0:
+        write_samples(model, p, config)
+    return summary
+
+
+def _meta(step: int, tracker) -> dict:
+    return {"step": step, "accountant": tracker.state_dict() if tracker is not None else None}

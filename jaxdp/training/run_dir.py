@@ -1,0 +1,178 @@
+"""The run directory: orbax checkpoints, `metrics.jsonl`, plots, and the progress line.
+
+    <workdir>/config.json      the run's config (a rerun with another config is refused)
+             metrics.jsonl    one JSON line per logged step: step, train_loss, epsilon[, val_loss]
+             tokenizer/       the tokenizer (trained BPE or GPT-2), reloaded on resume
+             checkpoints/<s>/ parameters, optimizer state (with the noise PRNG key), accountant
+                              state and step; only the latest is kept
+             summary.json, loss.png, epsilon.png, samples.txt
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+SAMPLES_FILE = "samples.txt"
+TOKENIZER_DIR = "tokenizer"
+CHECKPOINT_DIR = "checkpoints"
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _to_saveable(leaf):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(leaf))
+    return np.asarray(leaf)
+
+
+class Checkpointer:
+    """Orbax checkpoints of (model, optimizer) state plus a JSON of host state; the latest is kept."""
+
+    def __init__(self, directory: pathlib.Path):
+        import orbax.checkpoint as ocp
+        self._ocp = ocp
+        self._manager = ocp.CheckpointManager(
+            directory.absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
+                                                 enable_async_checkpointing=False),
+            item_names=("state", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, model, optimizer, meta: dict) -> None:
+        ocp = self._ocp
+        leaves = [_to_saveable(x) for x in jax.tree.leaves(nnx.state((model, optimizer)))]
+        self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"leaves": leaves}), meta=ocp.args.JsonSave(meta)), force=True)
+        self._manager.wait_until_finished()
+
+    def restore(self, step: int, model, optimizer) -> dict:
+        ocp = self._ocp
+        state = nnx.state((model, optimizer))
+        leaves, treedef = jax.tree.flatten(state)
+        target = {"leaves": [_to_saveable(x) for x in leaves]}
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        new = []
+        for old, value in zip(leaves, restored["state"]["leaves"]):
+            if jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key):
+                new.append(jax.random.wrap_key_data(jnp.asarray(value), impl=jax.random.key_impl(old)))
+            else:
+                new.append(jnp.asarray(value, dtype=old.dtype))
+        nnx.update((model, optimizer), jax.tree.unflatten(treedef, new))
+        return dict(restored["meta"])
+
+    def restore_model(self, step: int, model) -> None:
+        """Restores only the parameters: the first leaves of the saved (model, optimizer) state are the model's."""
+        ocp = self._ocp
+        leaves, treedef = jax.tree.flatten(nnx.state(model))
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+        saved = restored["state"]["leaves"]
+        new = [jnp.asarray(v, dtype=o.dtype) for o, v in zip(leaves, saved[:len(leaves)])]
+        nnx.update(model, jax.tree.unflatten(treedef, new))
+
+    def close(self):
+        self._manager.close()
+
+
+# ------------------------------------------------------------------ metrics and plots
+
+
+def read_metrics(workdir) -> list[dict]:
+    path = pathlib.Path(workdir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by a kill: everything after it is dropped too
+    return rows
+
+
+def write_metrics(workdir: pathlib.Path, rows: list[dict]) -> None:
+    """Replaces `metrics.jsonl` by `rows` atomically."""
+    tmp = workdir / (METRICS_FILE + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, workdir / METRICS_FILE)
+
+
+def read_json(path) -> dict | None:
+    try:
+        return json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_plots(workdir, rows: list[dict]) -> list[str]:
+    """loss.png (train / validation loss) and epsilon.png against step; [] without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    workdir = pathlib.Path(workdir)
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
+    va = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if tr:
+        ax.plot(*zip(*tr), label="train")
+    if va:
+        ax.plot(*zip(*va), marker="o", label="validation")
+    ax.set_xlabel("step"); ax.set_ylabel("loss (nats / token)"); ax.legend(); ax.grid(alpha=0.3)
+    fig.tight_layout(); fig.savefig(workdir / "loss.png", dpi=100); plt.close(fig)
+    written.append("loss.png")
+    eps = [(r["step"], r["epsilon"]) for r in rows if r.get("epsilon") is not None]
+    if eps:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(*zip(*eps))
+        ax.set_xlabel("step"); ax.set_ylabel("epsilon spent"); ax.grid(alpha=0.3)
+        fig.tight_layout(); fig.savefig(workdir / "epsilon.png", dpi=100); plt.close(fig)
+        written.append("epsilon.png")
+    return written
+
+
+# ------------------------------------------------------------------ stderr
+
+
+class Progress:
+    """One stderr line updated in place."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+
+    def update(self, step, loss, tokens_per_s, eps):
+        if not self.enabled:
+            return
+        width = 24
+        done = int(width * step / max(self.total, 1))
+        eps_s = "inf" if eps is None else f"{eps:.3f}"
+        print(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{self.total} "
+              f"loss {loss:.4f} tok/s {tokens_per_s:,.0f} eps {eps_s}   ",
+              end="", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.enabled:
+            print(file=sys.stderr, flush=True)
+
+
+def log(msg: str, enabled: bool = True) -> None:
+    if enabled:
+        print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,198 @@
+"""The job's jitted steps: the LM loss, the optimizer, the DP / non-DP / sharded train step, evaluation.
+
+Every step works on any `jaxdp.models` language model `model(tokens_BT) -> logits_BTV`
+(GPT-2 and Llama): the losses see only tokens and logits.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxdp import data as data_lib
+from jaxdp import reference
+from jaxdp.fused_clip import fused_clip
+from jaxdp.per_example import per_example_grads
+
+# ------------------------------------------------------------------ losses
+
+
+def lm_losses(model: nnx.Module, batch) -> jax.Array:
+    """Per-example mean next-token NLL (B,), exactly 0 for masked (padding) examples."""
+    tokens_BT1 = batch["tokens"]
+    logits_BTV = model(tokens_BT1[:, :-1])
+    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:])
+    return jnp.where(batch["mask"], nll_BT.mean(axis=-1), 0.0)
+
+
+def cp_lm_losses(model: nnx.Module, batch) -> jax.Array:
+    """`lm_losses` on {"inputs", "targets", "mask"}; also correct on a sequence shard (context parallel)."""
+    from jaxdp.sharding import context
+    logits_BTV = model(batch["inputs"])
+    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+    return jnp.where(batch["mask"], context.sequence_mean(nll_BT), 0.0)
+
+
+# ------------------------------------------------------------------ optimizer
+
+
+def make_optimizer(config, model: nnx.Module, *, noise_multiplier: float,
+                   expected_batch_size: float) -> nnx.Optimizer:
+    """adamw (wrapped in MultiSteps when accumulating), behind `fused_clip` when DP is on."""
+    dp = config.dp
+    tx = _make_tx(config.accumulation_steps, config.learning_rate, config.min_lr_ratio,
+                  config.warmup_steps, config.steps, config.b1, config.b2, config.weight_decay,
+                  dp.enabled, dp.l2_norm_clip, float(noise_multiplier), float(expected_batch_size),
+                  config.seed + 1, dp.clipping, dp.clip_fn,
+                  "auto" if dp.strategy == "reference" else dp.strategy)
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+# Cached: the transformation is stateless, and reusing the same object keeps the
+# optimizer's static graph equal, so the jitted step is not recompiled per run.
+@functools.lru_cache(maxsize=64)
+def _make_tx(k, learning_rate, min_lr_ratio, warmup_steps, steps, b1, b2, weight_decay,
+             dp_enabled, l2_norm_clip, noise_multiplier, expected_batch_size, seed, clipping,
+             clip_fn, strategy) -> optax.GradientTransformation:
+    warmup = min(warmup_steps, max(steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, warmup, max(steps, warmup + 1), end_value=learning_rate * min_lr_ratio)
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay)
+    inner = optax.MultiSteps(adamw, k, use_grad_mean=False).gradient_transformation() if k > 1 else adamw
+    if not dp_enabled:
+        return inner
+    return optax.chain(
+        fused_clip(l2_norm_clip, noise_multiplier, expected_batch_size=expected_batch_size,
+                   seed=seed, clipping=clipping, clip_fn=clip_fn, strategy=strategy,
+                   accumulation_steps=k),
+        inner)
+
+
+# ------------------------------------------------------------------ single-device steps
+
+
+def _reference_grads_fn(loss_fn):
+    """Per-example gradients by jax.vmap(jax.grad), as plain (B, ...) arrays in the params' tree."""
+    def grads_fn(model, batch):
+        losses, dense = reference.per_example_grads(loss_fn, model, batch)
+        flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+        return losses, nnx.from_flat_state([(p, var.replace(dense[tuple(p)])) for p, var in flat])
+    return grads_fn
+
+
+@functools.lru_cache(maxsize=None)  # one jitted step per (dp, loss_fn): runs in one process share compiles
+def make_train_step(dp: bool, loss_fn=lm_losses, per_example: str = "jaxdp") -> Callable:
+    """`step(model, optimizer, batch) -> sum of the batch's per-example losses` (one micro-batch).
+
+    DP: per-example gradients -> fused_clip (clip, sum, noise once per logical
+    batch, divide by the expected batch size) -> adamw. `per_example="reference"`
+    computes the per-example gradients by `jax.vmap(jax.grad)` instead (the
+    explicit baseline; same clipping, noise and optimizer). Non-DP: the gradient
+    of `sum(losses) / batch["divisor"]` (the realised size of the logical
+    batch, so micro-batch gradients add up to the batch mean).
+    """
+    if dp:
+        grads_fn = per_example_grads(loss_fn) if per_example == "jaxdp" else _reference_grads_fn(loss_fn)
+
+        @nnx.jit
+        def dp_step(model, optimizer, batch):
+            losses, grads = grads_fn(model, batch)
+            optimizer.update(model, grads)
+            return losses.sum()
+        return dp_step
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        def mean_loss(model):
+            total = loss_fn(model, batch).sum()
+            return total / batch["divisor"], total
+        grads, total = nnx.grad(mean_loss, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return total
+    return step
+
+
+# ------------------------------------------------------------------ the step on a mesh
+
+
+class ShardedTrainer:
+    """The DP step on a (data, seq) mesh (`jaxdp.sharding.ShardedDPStep`) behind the loop's step interface.
+
+    The model and the `nnx.Optimizer` (the chain fused_clip -> adamw) stay the
+    host-side record used for evaluation and checkpoints; `sync()` writes the
+    sharded state back into them (parameters, adamw state, the noise key of
+    fused_clip's state, the step count), `load()` reads it from them (after a
+    restore). The noise key and adamw see the same values as in the
+    single-device step, so the run equals it up to summation order.
+    """
+
+    def __init__(self, config, model, optimizer, noise_multiplier: float):
+        from jaxdp import sharding
+        self.model, self.optimizer = model, optimizer
+        mesh = sharding.make_mesh(config.mesh.data, config.mesh.seq)
+        dp = config.dp
+        inner = _make_tx(1, config.learning_rate, config.min_lr_ratio, config.warmup_steps, config.steps,
+                         config.b1, config.b2, config.weight_decay, False, dp.l2_norm_clip,
+                         float(noise_multiplier), float(config.batch_size), config.seed + 1,
+                         dp.clipping, dp.clip_fn, dp.strategy)
+        self.step = sharding.ShardedDPStep(
+            cp_lm_losses, inner, mesh, l2_norm_clip=dp.l2_norm_clip, noise_multiplier=float(noise_multiplier),
+            expected_batch_size=float(config.batch_size), seed=config.seed + 1,
+            zero_stage=config.mesh.zero_stage, clipping=dp.clipping, clip_fn=dp.clip_fn, strategy=dp.strategy)
+        self.load()
+
+    def _adam_variables(self):
+        """The adamw state's Variables in the nnx.Optimizer, in the leaf order of the sharded opt_state."""
+        return jax.tree.leaves(self.optimizer.opt_state[1], is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    def load(self):
+        state = self.step.init(self.model)
+        values = [v.get_value() for v in self._adam_variables()]
+        opt_state = jax.tree.unflatten(jax.tree.structure(state.opt_state), values)
+        noise_key = self.optimizer.opt_state[0].noise_key.get_value()
+        self.state = jax.device_put(state._replace(opt_state=opt_state, noise_key=noise_key),
+                                    self.step.state_shardings)
+
+    def sync(self):
+        state = jax.device_get(self.state)
+        self.step.update_model(self.model, state)
+        variables, values = self._adam_variables(), jax.tree.leaves(state.opt_state)
+        assert len(variables) == len(values)
+        for var, value in zip(variables, values):
+            var.set_value(jnp.asarray(value))
+        self.optimizer.opt_state[0].noise_key.set_value(state.noise_key)
+
+    def __call__(self, batch) -> float:
+        tokens = batch["tokens"]
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": batch["mask"]}
+        self.state, out = self.step(self.state, batch)
+        self.optimizer.step.set_value(self.optimizer.step.get_value() + 1)
+        return float(out["losses"].sum())
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+@nnx.jit
+def _eval_sum(model, batch):
+    return lm_losses(model, batch).sum()
+
+
+def evaluate(model: nnx.Module, windows: data_lib.TokenWindows, indices: np.ndarray,
+             batch_size: int) -> float:
+    """Mean next-token NLL over `windows[indices]` (fixed-shape, masked batches)."""
+    total = 0.0
+    for start in range(0, len(indices), batch_size):
+        idx = indices[start:start + batch_size]
+        mask = np.zeros(batch_size, bool)
+        mask[:len(idx)] = True
+        padded = np.zeros(batch_size, np.int64)
+        padded[:len(idx)] = idx
+        total += float(_eval_sum(model, {"tokens": windows.get(padded), "mask": mask}))
+    return total / len(indices)
