@@ -25,11 +25,17 @@ CLIPPINGS = {"flat": "flat", "per_layer": "per_layer", "by_block": by_block}
 
 
 @functools.lru_cache(maxsize=None)
-def setup(remat):
+def setup_with_reference(remat):
+    """model, batch, C and the vmap reference's (losses, {path: per-example grads}), jitted (one compile)."""
     model = tiny_gpt2(seed=11, remat=remat)
     batch = lm_batch(seed=12)
     C = clip_between_norms(lm_loss, model, batch)
-    _, ref_grads = jaxdp.reference.per_example_grads(lm_loss, model, batch)
+    reference = nnx.jit(lambda m, b: jaxdp.reference.per_example_grads(lm_loss, m, b))(model, batch)
+    return model, batch, C, reference
+
+
+def setup(remat):
+    model, batch, C, (_, ref_grads) = setup_with_reference(remat)
     return model, batch, C, ref_grads
 
 
@@ -111,9 +117,8 @@ def test_jit_train_step_with_nnx_optimizer(remat):
 
 
 def test_losses_equal_reference():
-    model, batch, _, _ = setup(False)
     losses, _ = eager_grads(False)
-    ref_losses, _ = jaxdp.reference.per_example_grads(lm_loss, model, batch)
+    _, _, _, (ref_losses, _) = setup_with_reference(False)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert float(losses[-1]) == 0.0  # the masked padding example
 

@@ -31,7 +31,7 @@ MAKERS = {"gpt2": lambda remat: tiny_gpt2(seed=11, remat=remat),
 def reference(name):
     model, batch = MAKERS[name]("none"), lm_batch(seed=12)
     C = clip_between_norms(lm_loss, model, batch)
-    _, ref_grads = jaxdp.reference.per_example_grads(lm_loss, model, batch)
+    _, ref_grads = nnx.jit(lambda m, b: jaxdp.reference.per_example_grads(lm_loss, m, b))(model, batch)
     sums, _ = jaxdp.reference.clipped_sum(ref_grads, C, clipping="per_layer")
     return C, {p: s / EXPECTED_BATCH_SIZE for p, s in sums.items()}
 

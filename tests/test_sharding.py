@@ -1,11 +1,13 @@
 """Sharded DP steps on 8 fake CPU devices equal the single-device step.
 
-Every (data, seq) mesh, ZeRO stage and clipping style is compared with the
-single-device `optax.chain(jaxdp.fused_clip(...), adam)` step on the same
+GPT-2 tiny and Llama tiny on every (data, seq) mesh and under every
+(clipping, ZeRO stage) pair (a covering design, see CASES) are compared with
+the single-device `optax.chain(jaxdp.fused_clip(...), adam)` step on the same
 batch: the privatised gradient and the parameters after one DP-Adam step
 (sigma = 0: relative error <= 1e-5). With sigma > 0 a replicated gradient
 gets the single-device noise exactly; a reduce-scattered one (ZeRO 2/3) has
-per-coordinate std sigma * C within 3%.
+per-coordinate std sigma * C within 3%, and without its noise equals the
+single-device gradient.
 """
 
 import functools
@@ -91,30 +93,57 @@ def sharded(name, mesh_shape, zero_stage, clipping, sigma):
     return step, state, new_state, out
 
 
+def reference(name):
+    # gpt2cp is gpt2 on the same tokens with the loss written per sequence shard: same reference.
+    return single_device("gpt2" if name == "gpt2cp" else name)
+
+
+# The acceptance grid is model x mesh x clipping x ZeRO 1-3 (48 steps, each its own compile).
+# Covering rule: every model meets every mesh, and every (clipping, ZeRO 1/2/3) pair on a mesh with
+# data > 1. On the i-th mesh of ((8, 1), (4, 2), (2, 4)), model k (gpt2 0, llama 1) runs flat clipping
+# under ZeRO z = 1 + (i + k) % 3 and per-layer clipping under ZeRO z - 1 (cyclically: z = 1 gives 3):
+# six steps per model, and across the two models every (mesh, ZeRO stage). On (1, 8) ZeRO has a single
+# data shard (the step is ZeRO 0 whatever the stage), so it runs once per model at stage 0; so does
+# gpt2 on (8, 1), the baseline of test_zero3_memory_falls_with_data_shards. Two of the six steps per
+# model are NOISE_CASES, with sigma > 0.
+MESHES = ((8, 1), (4, 2), (2, 4), (1, 8))
 CASES = [
-    # (model, (data, seq), zero_stage, clipping, sigma); sigma > 0 only where the gradient is replicated
-    ("gpt2", (8, 1), 0, "flat", 0.0),
-    ("gpt2", (8, 1), 3, "per_layer", 0.0),
-    ("gpt2cp", (4, 2), 1, "flat", SIGMA),
-    ("gpt2cp", (2, 4), 3, "per_layer", 0.0),
-    ("llama", (8, 1), 2, "per_layer", 0.0),
-    ("llama", (4, 2), 1, "flat", SIGMA),
-    ("llama", (4, 2), 3, "per_layer", 0.0),
-    ("llama", (2, 4), 2, "flat", 0.0),
-    ("llama", (1, 8), 0, "per_layer", 0.0),
+    # (model, (data, seq), zero_stage, clipping); sigma = 0
+    ("gpt2", (8, 1), 0, "flat"),
+    ("gpt2", (8, 1), 1, "flat"),
+    ("gpt2", (8, 1), 3, "per_layer"),
+    ("gpt2cp", (4, 2), 1, "per_layer"),
+    ("gpt2cp", (2, 4), 3, "flat"),
+    ("gpt2cp", (2, 4), 2, "per_layer"),
+    ("gpt2cp", (1, 8), 0, "flat"),
+    ("llama", (8, 1), 2, "flat"),
+    ("llama", (8, 1), 1, "per_layer"),
+    ("llama", (4, 2), 2, "per_layer"),
+    ("llama", (2, 4), 1, "flat"),
+    ("llama", (2, 4), 3, "per_layer"),
+    ("llama", (1, 8), 0, "per_layer"),
+]
+# (model, (data, seq), zero_stage); flat clipping, sigma = SIGMA, ZeRO >= 2: some leaves replicated, some
+# reduce-scattered. On seq > 1 meshes, so that the noise also meets the sum over `seq`.
+NOISE_CASES = [
+    ("gpt2cp", (4, 2), 2),
+    ("llama", (4, 2), 3),
 ]
 
 
-@pytest.mark.parametrize("name, mesh_shape, zero_stage, clipping, sigma", CASES,
-                         ids=[f"{n}-{d}x{s}-zero{z}-{c}-sigma{g:g}" for n, (d, s), z, c, g in CASES])
-def test_sharded_step_equals_single_device(name, mesh_shape, zero_stage, clipping, sigma):
-    # gpt2cp is gpt2 on the same tokens with the loss written per sequence shard: same reference.
-    expected_grads, expected_params = single_device("gpt2" if name == "gpt2cp" else name)[(clipping, sigma)]
-    step, _, new_state, out = sharded(name, mesh_shape, zero_stage, clipping, sigma)
-    assert max_rel_err(out["grads"], expected_grads) <= RTOL
-    assert max_rel_err(new_state.params, expected_params) <= RTOL
-    assert out["losses"].shape == (B,) and float(out["losses"][-1]) == 0.0
-    # The layout the ZeRO stage promises.
+def test_cases_cover_the_acceptance_grid():
+    """The covering rule above holds for CASES + NOISE_CASES (so that editing them cannot drop a cell)."""
+    steps = [(n.removesuffix("cp"), m, z, c) for n, m, z, c in CASES]
+    steps += [(n.removesuffix("cp"), m, z, "flat") for n, m, z in NOISE_CASES]
+    for model in ("gpt2", "llama"):
+        assert {m for n, m, _, _ in steps if n == model} == set(MESHES)
+        pairs = {(c, z) for n, m, z, c in steps if n == model and m[0] > 1}
+        assert pairs >= {(c, z) for c in ("flat", "per_layer") for z in (1, 2, 3)}, model
+        assert any(n.removesuffix("cp") == model for n, _, _ in NOISE_CASES)
+
+
+def assert_zero_layout(step, new_state, out, zero_stage):
+    """The layout the ZeRO stage promises: optimizer state, then gradients, then parameters sharded over data."""
     kernel_specs = [s for p, s in by_path(step.param_specs).items() if p[-1] == "kernel"]
     mu_specs = [v.sharding.spec for p, v in by_path(new_state.opt_state[0].mu).items() if p[-1] == "kernel"]
     grad_specs = [v.sharding.spec for p, v in by_path(out["grads"]).items() if p[-1] == "kernel"]
@@ -124,27 +153,54 @@ def test_sharded_step_equals_single_device(name, mesh_shape, zero_stage, clippin
     assert all((data in s) == (zero_stage >= 3) for s in kernel_specs)
 
 
-def test_per_shard_noise_has_the_right_std():
-    """ZeRO 2: sharded leaves draw fold_in(key, shard) noise with std sigma * C; replicated ones match one device."""
-    clean, _ = single_device("gpt2")[("flat", 0.0)]
-    noisy_one_device, _ = single_device("gpt2")[("flat", SIGMA)]
-    step, _, _, out = sharded("gpt2", (8, 1), 2, "flat", SIGMA)
-    grads = by_path(out["grads"])
-    dims = by_path(step.grad_dims)
+@pytest.mark.parametrize("name, mesh_shape, zero_stage, clipping", CASES,
+                         ids=[f"{n}-{d}x{s}-zero{z}-{c}" for n, (d, s), z, c in CASES])
+def test_sharded_step_equals_single_device(name, mesh_shape, zero_stage, clipping):
+    expected_grads, expected_params = reference(name)[(clipping, 0.0)]
+    step, _, new_state, out = sharded(name, mesh_shape, zero_stage, clipping, 0.0)
+    assert max_rel_err(out["grads"], expected_grads) <= RTOL
+    assert max_rel_err(new_state.params, expected_params) <= RTOL
+    assert out["losses"].shape == (B,) and float(out["losses"][-1]) == 0.0
+    assert_zero_layout(step, new_state, out, zero_stage)
+
+
+@pytest.mark.parametrize("name, mesh_shape, zero_stage", NOISE_CASES,
+                         ids=[f"{n}-{d}x{s}-zero{z}" for n, (d, s), z in NOISE_CASES])
+def test_noisy_step_under_zero_2_3(name, mesh_shape, zero_stage):
+    """sigma > 0, ZeRO 2/3: replicated leaves get one device's noise exactly; reduce-scattered ones draw
+    fold_in(key, shard) noise of std sigma * C, different per shard, and minus that noise equal one device.
+
+    The noise alone is the same step (same compile, same key) on the batch with every example masked.
+    """
+    clean, _ = reference(name)[("flat", 0.0)]
+    noisy_one_device, _ = reference(name)[("flat", SIGMA)]
+    step, state, new_state, out = sharded(name, mesh_shape, zero_stage, "flat", SIGMA)
+    batch = setup(name)[2]
+    _, noise_out = step(state, {**batch, "mask": jnp.zeros_like(batch["mask"])})
+    grads, noise_alone, dims = by_path(out["grads"]), by_path(noise_out["grads"]), by_path(step.grad_dims)
+    # grads = (sum + noise) / EBS rounds to float32 at the scale of the noise.
+    eps = float(jnp.finfo(jnp.float32).eps)
     sharded_noise = []
     for path, g in grads.items():
+        g, n = np.asarray(g), np.asarray(noise_alone[path])
+        atol = RTOL * np.max(np.abs(clean[path])) + 4 * eps * np.max(np.abs(g))
+        np.testing.assert_allclose(g - n, clean[path], rtol=0, atol=atol, err_msg=str(path))
         if dims[path] < 0:
             np.testing.assert_allclose(g, noisy_one_device[path], rtol=RTOL, atol=RTOL * SIGMA * C / EBS)
         else:
-            noise = np.asarray((g - clean[path]) * EBS)
-            sharded_noise.append(noise.ravel())
-            # Shards draw different noise: two shards' blocks are not equal.
-            blocks = np.split(noise, 8, axis=dims[path])
+            sharded_noise.append(n.ravel() * EBS)
+            # Shards draw different noise: two data shards' blocks are not equal.
+            blocks = np.split(n, mesh_shape[0], axis=dims[path])
             assert not np.allclose(blocks[0], blocks[1])
     noise = np.concatenate(sharded_noise)
     assert noise.size > 50_000
     assert abs(noise.std() / (SIGMA * C) - 1) < 0.03
     assert abs(noise.mean()) < 0.03 * SIGMA * C
+    # The sharded optimizer takes the step one device takes on the same privatised gradient.
+    params = jax.device_get(state.params)
+    updates, _ = adam().update(jax.device_get(out["grads"]), adam().init(params), params)
+    assert max_rel_err(new_state.params, optax.apply_updates(params, updates)) <= RTOL
+    assert_zero_layout(step, new_state, out, zero_stage)
 
 
 def test_partition_rules_cover_every_matrix():
