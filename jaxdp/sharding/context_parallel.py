@@ -16,6 +16,12 @@ per-example gradient `G_b^s = x_{b,s}^T g_{b,s}`; the true one is
 - Embedding lookups (a (V, D) partial per example would be huge): the ids
   and output gradients are all-gathered over `seq` (B T (D + 1) floats, the
   size of one activation) and the exact single-device rule runs on them.
+  A parameter with both (the tied embedding: lookup + output head) splits as
+  |P + E|^2 = |P|^2 + 2 <P, E> + |E|^2 with P the sum of its partial terms
+  (the head, reduce-scattered as above) and E the gathered lookup: the cross
+  term is linear in the partials, so each shard pairs its LOCAL head term
+  with the gathered lookup and the results are psum-ed. The head's output
+  gradients (B T V: the logits' size) are never gathered.
 
 Clipped sums are linear in the partials once the clip factors are known:
 `sum_b c_b G_b = sum_s sum_b c_b G_b^s`, so each shard clips its partial
@@ -31,34 +37,27 @@ import jax.numpy as jnp
 from jaxdp import clipping as clipping_lib
 from jaxdp import norms as norms_lib
 from jaxdp.fused_clip import flatten_grads
-from jaxdp.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm, instantiate
+from jaxdp.terms import EmbedTerm, FactoredGrad, instantiate
 
 
-def _gathered(term, axis):
+def _gathered_lookup(term: EmbedTerm, axis: str) -> EmbedTerm:
+    """The whole sequence's ids and output gradients of an embedding lookup (B T (D + 1) floats)."""
     gather = lambda a: jax.lax.all_gather(a, axis, axis=1, tiled=True)
-    if isinstance(term, LinearTerm):
-        return LinearTerm(gather(term.x_BTP), gather(term.g_BTD))
-    if isinstance(term, EmbedTerm):
-        return EmbedTerm(gather(term.ids_BT), gather(term.g_BTD), term.num_embeddings)
-    return DenseTerm(jax.lax.psum(term.value_B, axis))
+    return EmbedTerm(gather(term.ids_BT), gather(term.g_BTD), term.num_embeddings)
 
 
 def _slice_term(term, start, stop):
     return jax.tree.map(lambda a: a[start:stop], term)
 
 
-def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
-                  chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE) -> jax.Array:
-    """Exact per-example squared norms (B,) of a gradient whose terms are sequence-shard partials."""
-    if any(isinstance(t, EmbedTerm) for t in grad.terms):
-        full = FactoredGrad(tuple(_gathered(t, axis) for t in grad.terms))
-        return norms_lib.squared_norms(full, strategy, chunk_size=chunk_size)
+def _partial_sq_norms(terms, axis: str, chunk_size: int) -> jax.Array:
+    """|sum of partial terms|^2 per example: partials instantiated per chunk, reduce-scattered, squared, psum-ed."""
     S = jax.lax.axis_size(axis)
-    B = grad.batch_size
+    B = terms[0].batch_size
     parts = []
     for start in range(0, B, chunk_size):
         stop = min(B, start + chunk_size)
-        partial = sum(instantiate(_slice_term(t, start, stop)).astype(jnp.float32) for t in grad.terms)
+        partial = sum(instantiate(_slice_term(t, start, stop)).astype(jnp.float32) for t in terms)
         flat = partial.reshape(stop - start, -1)
         pad = (-flat.shape[1]) % S
         if pad:
@@ -66,6 +65,21 @@ def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
         mine = jax.lax.psum_scatter(flat, axis, scatter_dimension=1, tiled=True)
         parts.append(jnp.sum(mine * mine, axis=1))
     return jax.lax.psum(jnp.concatenate(parts), axis)
+
+
+def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
+                  chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE) -> jax.Array:
+    """Exact per-example squared norms (B,) of a gradient whose terms are sequence-shard partials."""
+    partials = [t for t in grad.terms if not isinstance(t, EmbedTerm)]
+    lookups = [_gathered_lookup(t, axis) for t in grad.terms if isinstance(t, EmbedTerm)]
+    kw = dict(chunk_size=chunk_size)
+    total = _partial_sq_norms(partials, axis, chunk_size) if partials else 0.0
+    if lookups:
+        total = total + norms_lib.squared_norms(FactoredGrad(tuple(lookups)), strategy, **kw)
+    cross = [norms_lib.pair_inner(p, e, strategy, **kw) for p in partials for e in lookups]
+    if cross:
+        total = total + 2 * jax.lax.psum(sum(cross), axis)
+    return total
 
 
 def clipped_aggregate(grads, l2_norm_clip: float, axis: str, *, clipping="flat", clip_fn: str = "abadi",
