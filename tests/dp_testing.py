@@ -55,6 +55,19 @@ def _reference_norms_B(loss_fn, model, batch):
     return norms["all"]
 
 
+def first_updates_fn(loss_fn, txs, **grads_kwargs):
+    """A jitted (model, batch) -> [first update of each tx]: every configuration in one compile."""
+    grads_fn = jaxdp.per_example_grads(loss_fn, **grads_kwargs)
+
+    @nnx.jit
+    def all_updates(model, batch):
+        _, grads = grads_fn(model, batch)
+        params = nnx.state(model, nnx.Param)
+        return [tx.update(grads, tx.init(params), params)[0] for tx in txs]
+
+    return all_updates
+
+
 def clip_between_norms(loss_fn, model, batch):
     """A C strictly between the smallest and largest non-zero per-example norm."""
     n = np.asarray(_reference_norms_B(loss_fn, model, batch))

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 import jaxdp
-from dp_testing import by_path, clip_between_norms, lm_batch, lm_loss, max_rel_err, tiny_gpt2
+from dp_testing import (by_path, clip_between_norms, first_updates_fn, lm_batch, lm_loss, max_rel_err,
+                        tiny_gpt2)
 
 EXPECTED_BATCH_SIZE = 5.0
 RTOL = 1e-5  # float32, highest matmul precision
@@ -74,15 +75,9 @@ ALL_CONFIGS = [(clipping, clip_fn, strategy) for clipping in CLIPPINGS
 def test_jit_equals_reference(remat, chunk_size):
     """Every clipping x clip_fn x strategy inside one jitted function (one compile)."""
     model, batch, C, _ = setup(remat)
-    grads_fn = jaxdp.per_example_grads(lm_loss)
     txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=CLIPPINGS[c],
                             clip_fn=f, strategy=s, chunk_size=chunk_size) for c, f, s in ALL_CONFIGS]
-
-    @nnx.jit
-    def all_updates(model, batch):
-        _, grads = grads_fn(model, batch)
-        params = nnx.state(model, nnx.Param)
-        return [tx.update(grads, tx.init(params), params)[0] for tx in txs]
+    all_updates = first_updates_fn(lm_loss, txs)
 
     for (clipping, clip_fn, strategy), updates in zip(ALL_CONFIGS, all_updates(model, batch)):
         err = max_rel_err(updates, expected_update(remat, clipping, clip_fn))

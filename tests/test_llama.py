@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dp_testing import lm_batch, lm_loss, max_rel_err
+from dp_testing import first_updates_fn, lm_batch, lm_loss, max_rel_err
 from flax import nnx
 
 import jaxdp
@@ -85,15 +85,9 @@ def test_fused_clip_equals_reference(tied, remat):
     _, norms = jaxdp.reference.clipped_sum(ref_grads, 1.0)
     norms = np.sort(np.asarray(norms["all"]))[1:]  # without the masked example's zero
     C = float(np.sqrt(norms[0] * norms[-1]))       # strictly between: some examples clipped, some not
-    grads_fn = jaxdp.per_example_grads(lm_loss, fallback=False)
     txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=c, clip_fn=f, strategy=s)
            for c, f, s in CONFIGS]
-
-    @nnx.jit
-    def all_updates(model, batch):
-        _, grads = grads_fn(model, batch)
-        params = nnx.state(model, nnx.Param)
-        return [tx.update(grads, tx.init(params), params)[0] for tx in txs]
+    all_updates = first_updates_fn(lm_loss, txs, fallback=False)
 
     for (clipping, clip_fn, strategy), updates in zip(CONFIGS, all_updates(model, batch)):
         sums, _ = jaxdp.reference.clipped_sum(ref_grads, C, clipping=clipping, clip_fn=clip_fn)

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import jaxdp
-from dp_testing import lm_loss, max_rel_err
+from dp_testing import first_updates_fn, lm_loss, max_rel_err
 from jaxdp.terms import DenseTerm, FactoredGrad, LinearTerm, instantiate
 from test_fused_clip_reference import CLIPPINGS, EXPECTED_BATCH_SIZE, RTOL, expected_update, setup
 
@@ -28,15 +28,9 @@ def test_pallas_jit_equals_reference():
     norms and sums this strategy replaces (test_fused_clip_reference covers it).
     """
     model, batch, C, _ = setup(False)
-    grads_fn = jaxdp.per_example_grads(lm_loss)
     txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=CLIPPINGS[c],
                             clip_fn=f, strategy="pallas") for c, f in CONFIGS]
-
-    @nnx.jit
-    def all_updates(model, batch):
-        _, grads = grads_fn(model, batch)
-        params = nnx.state(model, nnx.Param)
-        return [tx.update(grads, tx.init(params), params)[0] for tx in txs]
+    all_updates = first_updates_fn(lm_loss, txs)
 
     for (clipping, clip_fn), updates in zip(CONFIGS, all_updates(model, batch)):
         err = max_rel_err(updates, expected_update(False, clipping, clip_fn))

@@ -131,19 +131,25 @@ def test_run_directory_and_learning(reference_run):
     assert sorted(os.listdir(workdir / "checkpoints")) == ["6"]  # only the latest is kept
 
 
+def assert_first_metrics_equal(workdir, reference_workdir, *, num_rows):
+    """workdir's metrics.jsonl is the first num_rows rows of reference_workdir's, to 1e-4."""
+    got = training.read_metrics(workdir)
+    want = training.read_metrics(reference_workdir)[:num_rows]
+    assert [r["step"] for r in got] == list(range(num_rows))
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for key in g:
+            if g[key] is not None:
+                assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (g["step"], key)
+
+
 def test_sharded_mesh_run_equals_single_device(reference_run, corpus, tmp_path):
     """5 steps on a (data, seq) = (2, 4) mesh of fake CPU devices (ZeRO-1, context parallel) give
     the single-device run's train / validation losses and epsilons to 1e-4."""
     workdir, _ = reference_run
     config = tiny_config(corpus, tmp_path / "sharded", mesh__data=2, mesh__seq=4, mesh__zero_stage=1)
     training.train(config, interrupt_after=5, verbose=False)
-    got, want = training.read_metrics(tmp_path / "sharded"), training.read_metrics(workdir)[:6]
-    assert [r["step"] for r in got] == list(range(6))
-    for g, w in zip(got, want):
-        assert g.keys() == w.keys()
-        for key in g:
-            if g[key] is not None:
-                assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (g["step"], key)
+    assert_first_metrics_equal(tmp_path / "sharded", workdir, num_rows=6)
 
 
 def test_vmap_reference_path_reaches_the_same_losses(reference_run, corpus, tmp_path):

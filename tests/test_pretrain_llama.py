@@ -12,7 +12,7 @@ import json
 
 import pytest
 from test_pretrain import _compilation_cache  # noqa: F401  (the environment of run_cli's subprocesses)
-from test_pretrain import run_cli, tiny_config, write_tiny_corpus
+from test_pretrain import assert_first_metrics_equal, run_cli, tiny_config, write_tiny_corpus
 
 from experiments.configs import default, llama_tiny
 from jaxdp import training
@@ -69,13 +69,7 @@ def test_llama_mesh_run_equals_single_device(llama_run, corpus, tmp_path):
     config = tiny_config(corpus, tmp_path / "sharded", base=llama_tiny, remat="full",
                          mesh__data=2, mesh__seq=4, mesh__zero_stage=1, **LLAMA)
     training.train(config, interrupt_after=5, verbose=False)
-    got, want = training.read_metrics(tmp_path / "sharded"), training.read_metrics(workdir)[:6]
-    assert [r["step"] for r in got] == list(range(6))
-    for g, w in zip(got, want):
-        assert g.keys() == w.keys()
-        for key in g:
-            if g[key] is not None:
-                assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (g["step"], key)
+    assert_first_metrics_equal(tmp_path / "sharded", workdir, num_rows=6)
 
 
 @pytest.mark.parametrize("base,overrides,needle", [
