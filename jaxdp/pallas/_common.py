@@ -78,6 +78,30 @@ def example_grad_tile(x_ref, g_ref, bt: int, bp: int, bd: int):
     return lax.fori_loop(0, pl.cdiv(T, bt), body, jnp.zeros((bp, bd), jnp.float32))
 
 
+def per_example_partial_sums(kernel, x_BTP, g_BTD, n_i: int, n_j: int, *, name: str,
+                             interpret: bool | None, num_warps: int) -> jax.Array:
+    """Runs `kernel` on grid (B, n_i, n_j) and returns, per example, the sum of its programs' partials (B,).
+
+    Program (b, i, j) sees example b's whole x (T, P) and g (T, D), in the
+    compute dtype, and writes one float32 scalar.
+    """
+    B, T, P = x_BTP.shape
+    D = g_BTD.shape[-1]
+    dt = compute_dtype(x_BTP, g_BTD)
+    partials = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((B, n_i, n_j), jnp.float32),
+        grid=(B, n_i, n_j),
+        in_specs=[pl.BlockSpec((None, T, P), lambda b, i, j: (b, 0, 0)),
+                  pl.BlockSpec((None, T, D), lambda b, i, j: (b, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, None), lambda b, i, j: (b, i, j)),
+        compiler_params=compiler_params(num_warps=num_warps),
+        interpret=resolve_interpret(interpret),
+        name=name,
+    )(x_BTP.astype(dt), g_BTD.astype(dt))
+    return jnp.sum(partials, axis=(1, 2))
+
+
 def compute_dtype(*arrays):
     """The dtype tiles enter the tensor cores in: bf16 / f16 stay, anything else float32."""
     dt = jnp.result_type(*arrays)

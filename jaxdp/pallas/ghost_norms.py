@@ -53,23 +53,13 @@ def _linear_ghost_sq_norms_kernel(x_ref, g_ref, partial_ref, *, bt, bf):
 
 
 def _linear_ghost_sq_norms_pallas(x_BTP, g_BTD, *, block_t, block_f, interpret, num_warps):
-    B, T, P = x_BTP.shape
+    T, P = x_BTP.shape[1:]
     D = g_BTD.shape[-1]
     bt, bf = _common.block(T, block_t), _common.block(max(P, D), block_f)
     nT = pl.cdiv(T, bt)
-    dt = _common.compute_dtype(x_BTP, g_BTD)
-    partials = pl.pallas_call(
-        functools.partial(_linear_ghost_sq_norms_kernel, bt=bt, bf=bf),
-        out_shape=jax.ShapeDtypeStruct((B, nT, nT), jnp.float32),
-        grid=(B, nT, nT),
-        in_specs=[pl.BlockSpec((None, T, P), lambda b, i, j: (b, 0, 0)),
-                  pl.BlockSpec((None, T, D), lambda b, i, j: (b, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, None), lambda b, i, j: (b, i, j)),
-        compiler_params=_common.compiler_params(num_warps=num_warps),
-        interpret=_common.resolve_interpret(interpret),
-        name="linear_ghost_sq_norms",
-    )(x_BTP.astype(dt), g_BTD.astype(dt))
-    return jnp.sum(partials, axis=(1, 2))
+    return _common.per_example_partial_sums(
+        functools.partial(_linear_ghost_sq_norms_kernel, bt=bt, bf=bf), x_BTP, g_BTD, nT, nT,
+        name="linear_ghost_sq_norms", interpret=interpret, num_warps=num_warps)
 
 
 def linear_ghost_sq_norms(x_BTP: jax.Array, g_BTD: jax.Array, *, implementation: str = "pallas",

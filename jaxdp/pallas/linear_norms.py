@@ -33,23 +33,12 @@ def _linear_sq_norms_kernel(x_ref, g_ref, partial_ref, *, bt, bp, bd):
 
 
 def _linear_sq_norms_pallas(x_BTP, g_BTD, *, block_t, block_p, block_d, interpret, num_warps):
-    B, T, P = x_BTP.shape
+    T, P = x_BTP.shape[1:]
     D = g_BTD.shape[-1]
     bt, bp, bd = _common.block(T, block_t), _common.block(P, block_p), _common.block(D, block_d)
-    nP, nD = pl.cdiv(P, bp), pl.cdiv(D, bd)
-    dt = _common.compute_dtype(x_BTP, g_BTD)
-    partials = pl.pallas_call(
-        functools.partial(_linear_sq_norms_kernel, bt=bt, bp=bp, bd=bd),
-        out_shape=jax.ShapeDtypeStruct((B, nP, nD), jnp.float32),
-        grid=(B, nP, nD),
-        in_specs=[pl.BlockSpec((None, T, P), lambda b, i, j: (b, 0, 0)),
-                  pl.BlockSpec((None, T, D), lambda b, i, j: (b, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, None), lambda b, i, j: (b, i, j)),
-        compiler_params=_common.compiler_params(num_warps=num_warps),
-        interpret=_common.resolve_interpret(interpret),
-        name="linear_sq_norms",
-    )(x_BTP.astype(dt), g_BTD.astype(dt))
-    return jnp.sum(partials, axis=(1, 2))
+    return _common.per_example_partial_sums(
+        functools.partial(_linear_sq_norms_kernel, bt=bt, bp=bp, bd=bd), x_BTP, g_BTD,
+        pl.cdiv(P, bp), pl.cdiv(D, bd), name="linear_sq_norms", interpret=interpret, num_warps=num_warps)
 
 
 def linear_sq_norms(x_BTP: jax.Array, g_BTD: jax.Array, *, implementation: str = "pallas",
