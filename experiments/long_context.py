@@ -3,6 +3,7 @@
     python -m experiments.long_context --memory_budget_gb=80             # GPT-2 / Llama presets, one GPU
     python -m experiments.long_context --seq=1,2,4,8 --memory_budget_gb=80  # context parallel over 8 GPUs
     python -m experiments.long_context --smoke                           # tiny models, 8 fake CPU devices
+    python -m experiments.long_context --dp_method=two_pass              # DP by two passes (flat clipping)
 
 For every model, remat policy and mesh (`--data` x each of `--seq`), DP
 (`jaxdp.sharding.ShardedDPStep`: per-example gradients, clipping and noise,
@@ -20,7 +21,11 @@ fitting step is then compiled in full, run and timed (tokens/s; skipped with
 (context parallelism: keys / values all-gathered with causal offsets,
 per-example gradient partials reduce-scattered over `seq`). The markdown
 table is printed and JSON written to --out. Target (LongShield): with remat,
-DP reaches the same maximum context as non-DP.
+DP reaches the same maximum context as non-DP. `--dp_method` picks how DP
+forms its clipped sums (`ShardedDPStep(method=...)`): "bookkeeping" keeps
+every layer's input and output gradient until all norms are known;
+"two_pass" keeps none (norms inside each layer's backward, then a
+clip-weighted backward) at the cost of a second forward and backward.
 
 Neither step donates its state, so both count the old and the new state.
 On CPU the bytes are XLA:CPU's buffer assignment: an estimate, not a GPU
@@ -46,6 +51,8 @@ REMATS = flags.DEFINE_list("remat", ["none", "full"], "remat policies: none | do
 DATA = flags.DEFINE_integer("data", 1, "data-parallel degree (examples sharded)")
 SEQ = flags.DEFINE_list("seq", ["1"], "context-parallel degrees to sweep (tokens sharded)")
 ZERO = flags.DEFINE_integer("zero_stage", 0, "ZeRO stage 0-3 over the data axis")
+DP_METHOD = flags.DEFINE_enum("dp_method", "bookkeeping", ["bookkeeping", "two_pass"],
+                              "how DP forms its clipped sums (jaxdp.sharding.ShardedDPStep method)")
 BUDGET = flags.DEFINE_float("memory_budget_gb", 80.0, "bytes per device allowed for the compiled step (GiB)")
 MIN_SEQ = flags.DEFINE_integer("min_seq_len", 512, "first sequence length tried per seq shard (x seq)")
 MAX_SEQ = flags.DEFINE_integer("max_seq_len", 131072, "longest sequence length tried")
@@ -59,8 +66,8 @@ SMOKE = flags.DEFINE_boolean("smoke", False, "tiny GPT-2 and Llama, 8 fake CPU d
 
 # --smoke: the sweep shrunk to tiny models on 8 fake CPU devices (compiles dominate: ~30 s of CPU per row).
 SMOKE_CONFIG = dict(models=["gpt2-tiny", "llama-tiny"], remats=["none", "full"], data=1, seqs=[1, 2, 4, 8],
-                    zero_stage=0, batch_size=1, dtype="float32", min_seq_len=128, max_seq_len=16384,
-                    granularity=64, time=True, steps=3, budget_bytes=16 * 2**20)
+                    zero_stage=0, dp_method="bookkeeping", batch_size=1, dtype="float32", min_seq_len=128,
+                    max_seq_len=16384, granularity=64, time=True, steps=3, budget_bytes=16 * 2**20)
 
 
 _FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
@@ -87,7 +94,7 @@ def loss_fn(model, batch):
     return context.sequence_mean(nll)
 
 
-def _step(make_model, dp: bool, mesh, B: int, zero_stage: int):
+def _step(make_model, dp: bool, mesh, B: int, zero_stage: int, dp_method: str = "bookkeeping"):
     """(step, model builder) of one configuration; `B` is the global batch size.
 
     DP and non-DP are the same `ShardedDPStep` (`private=dp`): same mesh, shardings
@@ -99,7 +106,7 @@ def _step(make_model, dp: bool, mesh, B: int, zero_stage: int):
     from jaxdp.sharding import ShardedDPStep
 
     step = ShardedDPStep(loss_fn, optax.adam(1e-4), mesh, l2_norm_clip=1.0, noise_multiplier=0.8,
-                         expected_batch_size=float(B), zero_stage=zero_stage, private=dp)
+                         expected_batch_size=float(B), zero_stage=zero_stage, private=dp, method=dp_method)
     return step, lambda: make_model(nnx.Rngs(0))
 
 
@@ -174,7 +181,7 @@ def measure(name: str, dp: bool, remat: str, data: int, seq: int, cfg: dict) -> 
     options = _FAST_COMPILE if jax.default_backend() == "cpu" else None
 
     def bytes_at(T):
-        step, build = _step(_model(name, T, cfg["dtype"], remat), dp, mesh, B, cfg["zero_stage"])
+        step, build = _step(_model(name, T, cfg["dtype"], remat), dp, mesh, B, cfg["zero_stage"], cfg["dp_method"])
         state = nnx.eval_shape(lambda: step.init(build()))
         return step_bytes(step.lower(state, _batch(B, T)).compile(compiler_options=options))
 
@@ -184,11 +191,12 @@ def measure(name: str, dp: bool, remat: str, data: int, seq: int, cfg: dict) -> 
     start = cfg["min_seq_len"] * 2 ** math.ceil(math.log2(seq))
     T, nbytes = longest_fitting(bytes_at, cfg["min_seq_len"], cfg["max_seq_len"], granularity,
                                 cfg["budget_bytes"], start=start)
-    row = dict(model=name, dp=dp, remat=remat, data=data, seq=seq, max_seq_len=T, step_bytes=nbytes,
+    row = dict(model=name, dp=dp, dp_method=cfg["dp_method"] if dp else None, remat=remat, data=data, seq=seq,
+               max_seq_len=T, step_bytes=nbytes,
                tokens_per_s=None)
     if T is None or not cfg["time"]:
         return row
-    step, build = _step(_model(name, T, cfg["dtype"], remat), dp, mesh, B, cfg["zero_stage"])
+    step, build = _step(_model(name, T, cfg["dtype"], remat), dp, mesh, B, cfg["zero_stage"], cfg["dp_method"])
     state = step.init(build())
     batch = _batch(B, T, step, jax.random.key(1))
     state, _ = jax.block_until_ready(step(state, batch))  # compile (fully optimised) + warm up
@@ -242,12 +250,12 @@ def main(argv):
         xla_flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in xla_flags:
             os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count=8".strip()
-        cfg = dict(SMOKE_CONFIG, time=TIME.value)
+        cfg = dict(SMOKE_CONFIG, time=TIME.value, dp_method=DP_METHOD.value)
         out_path = OUT.value if OUT.present else "benchmarks/long_context_smoke.json"
     else:
         cfg = dict(models=MODELS.value, remats=REMATS.value, data=DATA.value, seqs=[int(s) for s in SEQ.value],
-                   zero_stage=ZERO.value, batch_size=BATCH_SIZE.value, dtype=DTYPE.value,
-                   min_seq_len=MIN_SEQ.value, max_seq_len=MAX_SEQ.value, granularity=GRANULARITY.value,
+                   zero_stage=ZERO.value, dp_method=DP_METHOD.value, batch_size=BATCH_SIZE.value,
+                   dtype=DTYPE.value, min_seq_len=MIN_SEQ.value, max_seq_len=MAX_SEQ.value, granularity=GRANULARITY.value,
                    time=TIME.value, steps=STEPS.value, budget_bytes=BUDGET.value * 2**30)
         out_path = OUT.value
     import jax

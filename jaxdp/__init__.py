@@ -19,6 +19,7 @@ from jaxdp.terms import DenseTerm
 from jaxdp.terms import EmbedTerm
 from jaxdp.terms import FactoredGrad
 from jaxdp.terms import LinearTerm
+from jaxdp.two_pass import two_pass_clipped_sums
 
 __version__ = "0.1.0"
 
@@ -42,4 +43,5 @@ __all__ = [
     "sharding",
     "squared_norms",
     "training",
+    "two_pass_clipped_sums",
 ]

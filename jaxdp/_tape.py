@@ -17,6 +17,12 @@ Outside `per_example_grads` this is the identity. Inside, two passes run:
 
 Integer records (embedding ids) travel as float32; exact below 2**24.
 
+A third mode, "norms" (`jaxdp.two_pass`), replaces `_tap` by `_norm_tap`,
+whose backward turns `(record, g)` into per-example squared norms (B,) at
+once, inside the layer's backward, and hands out only those (and, for a
+parameter with several uses, the terms themselves): no layer's `(x, g)`
+outlives its own backward.
+
 Inside `jax.shard_map(..., check_vma=True)` a custom_vjp's cotangents must
 have the manual-axis type of its inputs, so discover also notes over which
 manual axes `y` and `record` vary, and the slots are created varying over
@@ -69,6 +75,34 @@ def _tap_bwd(record, g):
 _tap.defvjp(_tap_fwd, _tap_bwd)
 
 
+def _norm_tap(norms_fn, keep_terms: bool, axes: tuple[str, ...]):
+    """Identity on `y` whose backward hands out `norms_fn(record, g)` ({name: (B,)}) as its slots' cotangent.
+
+    `slots` is `{"norms": {name: (B,) zeros}}`, plus `"g"` and `"record"` when
+    `keep_terms` (the use also feeds a parameter whose norm needs its terms).
+    """
+
+    @jax.custom_vjp
+    def norm_tap(y, record, slots):
+        del slots
+        return y
+
+    def fwd(y, record, slots):
+        del slots
+        return y, record
+
+    def bwd(record, g):
+        norms = {name: varying_like(v, tuple(a for a in axes if a not in varying_axes(v)))
+                 for name, v in norms_fn(record, g).items()}
+        cts = {"norms": norms}
+        if keep_terms:
+            cts["g"], cts["record"] = g, record
+        return g, jnp.zeros_like(record), cts
+
+    norm_tap.defvjp(fwd, bwd)
+    return norm_tap
+
+
 @dataclasses.dataclass
 class Use:
     """One call of a DP layer inside the traced forward pass."""
@@ -83,9 +117,10 @@ class Use:
 
 
 class _Tape:
-    def __init__(self, mode: str, slots=None, axes: tuple[str, ...] = ()):
+    def __init__(self, mode: str, slots=None, axes: tuple[str, ...] = (), norms_fns=None):
         self.mode = mode
         self.axes = axes
+        self.norms_fns = norms_fns
         self.uses: dict[str, Use] = {}
         self.slots = slots
         self._counts: dict[tuple, int] = {}
@@ -113,6 +148,9 @@ class _Tape:
                                  jax.ShapeDtypeStruct(record.shape, record.dtype),
                                  record_dtype, varying_axes(y), varying_axes(record))
             return y
+        if self.mode == "norms":
+            slots = self.slots[key]
+            return _norm_tap(self.norms_fns[key], "g" in slots, self.axes)(y, record, slots)
         g_slot, record_slot = self.slots[key]
         return _tap(y, record, g_slot, record_slot)
 
@@ -125,10 +163,13 @@ def current() -> _Tape | None:
 
 
 @contextlib.contextmanager
-def recording(mode: str, slots=None, axes: tuple[str, ...] = ()):
-    """Records taps; `axes`: the shard_map axes the batch varies over (empty outside shard_map)."""
+def recording(mode: str, slots=None, axes: tuple[str, ...] = (), norms_fns=None):
+    """Records taps; `axes`: the shard_map axes the batch varies over (empty outside shard_map).
+
+    mode: "discover" | "record" | "norms" (with `norms_fns[key](record, g) -> {name: (B,)}`).
+    """
     previous = current()
-    _state.tape = _Tape(mode, slots, axes)
+    _state.tape = _Tape(mode, slots, axes, norms_fns)
     try:
         yield _state.tape
     finally:

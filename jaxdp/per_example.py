@@ -72,22 +72,8 @@ def per_example_grads(loss_fn: LossFn, *, fallback: bool = True):
     """
 
     def grads_fn(model: nnx.Module, batch):
-        _label_layers(model)
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def losses_of(params, rest):
-            model = nnx.merge(graphdef, params, rest)
-            losses = loss_fn(model, batch)
-            return losses, nnx.state(model, nnx.Not(nnx.Param))
-
-        axes = _batch_axes(batch)
-        with _tape.recording("discover", axes=axes) as tape:
-            losses_struct, _ = jax.eval_shape(losses_of, params, rest)
-        _check_losses(losses_struct)
-        uses = tape.uses
-        slots = {k: (_tape.varying_like(jnp.zeros(u.y.shape, u.y.dtype), u.y_axes),
-                     _tape.varying_like(jnp.zeros(u.record.shape, u.record.dtype), u.record_axes))
-                 for k, u in uses.items()}
+        graphdef, params, rest, uses, axes, losses_of = discover(loss_fn, model, batch)
+        slots = {k: term_slots(u) for k, u in uses.items()}
 
         def record_pass(slots, params, rest):
             with _tape.recording("record", slots, axes):
@@ -99,24 +85,60 @@ def per_example_grads(loss_fn: LossFn, *, fallback: bool = True):
 
         terms_by_path: dict[tuple, list] = {}
         for key, use in uses.items():
-            g, record = slot_cts[key]
-            if jnp.issubdtype(use.record_dtype, jnp.integer):
-                record = record.astype(use.record_dtype)
-            for name, term in use.terms_fn(record, g).items():
+            for name, term in use_terms(use, *slot_cts[key]).items():
                 terms_by_path.setdefault(use.path + (name,), []).append(term)
-
+        add_fallback_terms(terms_by_path, loss_fn, graphdef, params, rest, batch, fallback)
         flat = list(nnx.to_flat_state(params))
-        missing = [path for path, _ in flat if tuple(path) not in terms_by_path]
-        if missing:
-            for path, value in _fallback_grads(loss_fn, graphdef, params, rest, batch,
-                                               missing, fallback).items():
-                terms_by_path[path] = [DenseTerm(value)]
         grads = nnx.from_flat_state(
             [(path, var.replace(FactoredGrad(tuple(terms_by_path[tuple(path)]))))
              for path, var in flat])
         return losses, grads
 
     return grads_fn
+
+
+def discover(loss_fn: LossFn, model: nnx.Module, batch):
+    """Splits the model and finds every DP-layer call (shapes only).
+
+    Returns `(graphdef, params, rest, uses, axes, losses_of)`: `uses` maps each
+    tap key to its `_tape.Use`, `axes` are the shard_map axes the batch varies
+    over, and `losses_of(params, rest) -> (losses, new rest)` runs the model.
+    """
+    _label_layers(model)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def losses_of(params, rest):
+        model = nnx.merge(graphdef, params, rest)
+        losses = loss_fn(model, batch)
+        return losses, nnx.state(model, nnx.Not(nnx.Param))
+
+    axes = _batch_axes(batch)
+    with _tape.recording("discover", axes=axes) as tape:
+        losses_struct, _ = jax.eval_shape(losses_of, params, rest)
+    _check_losses(losses_struct)
+    return graphdef, params, rest, tape.uses, axes, losses_of
+
+
+def term_slots(use: _tape.Use):
+    """Zero slots for one use, varying over the manual axes of what they stand for: (g, record)."""
+    return (_tape.varying_like(jnp.zeros(use.y.shape, use.y.dtype), use.y_axes),
+            _tape.varying_like(jnp.zeros(use.record.shape, use.record.dtype), use.record_axes))
+
+
+def use_terms(use: _tape.Use, g, record) -> dict:
+    """{parameter name: term} of one use from its output gradient and recorded input."""
+    if jnp.issubdtype(use.record_dtype, jnp.integer):
+        record = record.astype(use.record_dtype)
+    return use.terms_fn(record, g)
+
+
+def add_fallback_terms(terms_by_path: dict, loss_fn, graphdef, params, rest, batch, fallback: bool) -> None:
+    """Adds a DenseTerm for every parameter no layer rule covered (or raises when `fallback` is False)."""
+    missing = [path for path, _ in nnx.to_flat_state(params) if tuple(path) not in terms_by_path]
+    if missing:
+        for path, value in _fallback_grads(loss_fn, graphdef, params, rest, batch,
+                                           missing, fallback).items():
+            terms_by_path[path] = [DenseTerm(value)]
 
 
 def _batch_axes(batch) -> tuple[str, ...]:

@@ -83,11 +83,12 @@ def single_device(name):
 
 
 @functools.cache
-def sharded(name, mesh_shape, zero_stage, clipping, sigma):
+def sharded(name, mesh_shape, zero_stage, clipping, sigma, method="bookkeeping"):
     model, loss_fn, batch = setup(name)
     mesh = sharding.make_mesh(*mesh_shape)
     step = sharding.ShardedDPStep(loss_fn, adam(), mesh, l2_norm_clip=C, noise_multiplier=sigma,
-                                  expected_batch_size=EBS, seed=7, zero_stage=zero_stage, clipping=clipping)
+                                  expected_batch_size=EBS, seed=7, zero_stage=zero_stage, clipping=clipping,
+                                  method=method)
     state = step.init(model)
     new_state, out = step(state, batch)
     return step, state, new_state, out
@@ -164,6 +165,26 @@ def test_sharded_step_equals_single_device(name, mesh_shape, zero_stage, clippin
     assert_zero_layout(step, new_state, out, zero_stage)
 
 
+# method="two_pass" (norms in each layer's backward, then a clip-weighted backward; flat clipping):
+# both models, data and sequence sharding, every ZeRO stage once.
+TWO_PASS_CASES = [
+    ("gpt2", (8, 1), 2),
+    ("gpt2cp", (2, 4), 3),
+    ("llama", (4, 2), 1),
+    ("llama", (1, 8), 0),
+]
+
+
+@pytest.mark.parametrize("name, mesh_shape, zero_stage", TWO_PASS_CASES,
+                         ids=[f"{n}-{d}x{s}-zero{z}" for n, (d, s), z in TWO_PASS_CASES])
+def test_two_pass_step_equals_single_device(name, mesh_shape, zero_stage):
+    expected_grads, expected_params = reference(name)[("flat", 0.0)]
+    step, _, new_state, out = sharded(name, mesh_shape, zero_stage, "flat", 0.0, "two_pass")
+    assert max_rel_err(out["grads"], expected_grads) <= RTOL
+    assert max_rel_err(new_state.params, expected_params) <= RTOL
+    assert_zero_layout(step, new_state, out, zero_stage)
+
+
 @pytest.mark.parametrize("name, mesh_shape, zero_stage", NOISE_CASES,
                          ids=[f"{n}-{d}x{s}-zero{z}" for n, (d, s), z in NOISE_CASES])
 def test_noisy_step_under_zero_2_3(name, mesh_shape, zero_stage):
@@ -234,6 +255,12 @@ def test_bad_zero_stage():
                                noise_multiplier=0.0, expected_batch_size=EBS, zero_stage=4)
     with pytest.raises(ValueError, match="devices"):
         sharding.make_mesh(4, 4)
+    with pytest.raises(ValueError, match="method"):
+        sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1), l2_norm_clip=C,
+                               noise_multiplier=0.0, expected_batch_size=EBS, method="ghost")
+    with pytest.raises(ValueError, match="clipping"):
+        sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1), l2_norm_clip=C, noise_multiplier=0.0,
+                               expected_batch_size=EBS, method="two_pass", clipping="per_layer")
 
 
 class _LinearAndPlainScale(nnx.Module):

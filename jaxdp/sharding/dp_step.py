@@ -28,6 +28,15 @@ they stand for, and takes no gradient with respect to the replicated
 parameters, so no cotangent comes back implicitly psum-ed over the mesh (the
 pitfall in DESIGN.md); every collective here is explicit.
 
+`method="two_pass"` forms the clipped sums of step 1 with
+`jaxdp.two_pass.two_pass_clipped_sums` instead of book-keeping: norms inside
+each layer's backward (under context parallelism the per-example
+reduce-scatter and norm psum run there, next to the layer's own backward),
+then an ordinary backward of the clip-weighted loss. No layer's activations
+and output gradients are kept past its backward, so the step's memory is
+the non-DP step's (with `remat`, too); the price is a second forward and
+backward. Flat clipping only.
+
 `private=False` is the non-DP baseline on the same layout: step 1 becomes
 the ordinary gradient of `sum(losses)` (one backward pass, no per-example
 gradients, no norms, no clipping) with respect to the parameters marked
@@ -40,6 +49,7 @@ measures it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -56,9 +66,11 @@ from jaxdp._tape import varying_axes, varying_like
 from jaxdp.fused_clip import clipped_aggregate
 from jaxdp.per_example import per_example_grads
 from jaxdp.sharding import context, context_parallel
+from jaxdp.two_pass import two_pass_clipped_sums
 from jaxdp.sharding.mesh import DATA, SEQ, param_dims, spec_for
 
 ZERO_STAGES = (0, 1, 2, 3)
+METHODS = ("bookkeeping", "two_pass")
 
 
 class ShardedDPState(NamedTuple):
@@ -86,9 +98,15 @@ class ShardedDPStep:
                  l2_norm_clip: float, noise_multiplier: float, expected_batch_size: float,
                  seed: int = 0, zero_stage: int = 0, clipping="flat", clip_fn: str = "abadi",
                  gamma: float = 0.01, strategy: str = "auto", group_weights=None,
-                 chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE, private: bool = True):
+                 chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE, private: bool = True,
+                 method: str = "bookkeeping"):
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if private and method == "two_pass" and clipping != "flat":
+            raise ValueError(f'method="two_pass" needs clipping="flat", got clipping={clipping!r}; '
+                             'use method="bookkeeping" for per-layer or grouped clipping')
         if private and l2_norm_clip <= 0:
             raise ValueError(f"l2_norm_clip must be > 0, got {l2_norm_clip}")
         if private and noise_multiplier < 0:
@@ -99,7 +117,7 @@ class ShardedDPStep:
         clipping_lib.check_clip_fn(clip_fn)
         norms_lib.check_strategy(strategy)
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
-        self.zero_stage, self.seed, self.private = zero_stage, seed, private
+        self.zero_stage, self.seed, self.private, self.method = zero_stage, seed, private, method
         self.noise_std = noise_multiplier * l2_norm_clip if private else 0.0
         self.expected_batch_size = expected_batch_size
         self.clip_kwargs = dict(clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,
@@ -180,6 +198,17 @@ class ShardedDPStep:
     def _clipped_sums(self, params, rest, batch, cp_axis):
         """DP: per-example losses and this device's share of the clipped per-example gradient sums."""
         model = nnx.merge(self.graphdef, params, rest)
+        if self.method == "two_pass":
+            kw = self.clip_kwargs
+            if cp_axis is None:
+                norms_fn = functools.partial(norms_lib.squared_norms, strategy=kw["strategy"],
+                                             chunk_size=kw["chunk_size"])
+            else:
+                norms_fn = functools.partial(context_parallel.squared_norms, axis=SEQ,
+                                             strategy=kw["strategy"], chunk_size=kw["chunk_size"])
+            losses, sums, _ = two_pass_clipped_sums(self.loss_fn, self.l2_norm_clip, clip_fn=kw["clip_fn"],
+                                                    gamma=kw["gamma"], squared_norms_fn=norms_fn)(model, batch)
+            return losses, sums
         losses, grads = per_example_grads(self.loss_fn)(model, batch)
         if cp_axis is None:
             sums, _ = clipped_aggregate(grads, self.l2_norm_clip, **self.clip_kwargs)

@@ -1,0 +1,184 @@
+"""Flat-clipped gradient sums in two backward passes, keeping no layer's input and output gradient.
+
+Book-keeping (`per_example_grads` -> `clipped_aggregate`) keeps every DP
+layer's input x and output gradient g until all norms are known, since flat
+clipping needs every layer's norm before any clipped sum: memory of the order
+of every layer's activations, which activation checkpointing cannot reduce.
+`two_pass_clipped_sums` trades compute for that memory (ghost clipping as in
+Li et al. 2022, arXiv:2110.05679, and Opacus):
+
+1. norms: a forward and backward pass in which every DP layer's tap reduces
+   its `(x, g)` to per-example squared norms inside that layer's backward
+   (`jaxdp._tape` mode "norms") and drops them. Only a parameter with
+   several uses (the tied embedding: lookup and head) keeps its terms, for
+   its cross terms; parameters without a layer rule get per-example
+   gradients by vmap, as in `per_example_grads`.
+2. weighted: the ordinary gradient of `sum_b c_b loss_b` with the clip
+   factors `c_b` held constant, which is `sum_b c_b G_b`: the clipped sum.
+
+Memory: each pass alone is the non-DP step's (plus B floats per parameter
+and the kept terms of multi-use parameters), so with activation
+checkpointing DP should need what non-DP needs. That is a prediction for
+GPUs, not measured. XLA:CPU schedules two backward passes in one program
+worse than one: two plain non-DP gradients in sequence take 71.6 MiB of
+temporaries against 56.8 MiB for one (GPT-2 tiny, T = 1024), and this
+function takes 72.1 MiB (book-keeping: 61.1). See WORKSPACE.md.
+Compute: two forward and two backward passes plus the norms (book-keeping:
+one of each, the norms and one clipped GEMM per layer).
+
+Dropped examples (a non-finite norm): `c_b = 0` alone does not remove
+example b from pass 2 (0 x inf is NaN inside its GEMMs), so pass 2 runs with
+every dropped example replaced by a kept one, weighted 0. The kept example's
+per-example gradient is finite (its squared norm is), and pass 2 recomputes
+the same forward, so it adds exact zeros.
+
+Flat clipping only: per-group factors would need a different weight per
+group inside one backward pass.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdp import _tape
+from jaxdp import clipping as clipping_lib
+from jaxdp import norms as norms_lib
+from jaxdp.per_example import (
+    LossFn,
+    add_fallback_terms,
+    discover,
+    term_slots,
+    use_terms,
+)
+from jaxdp.terms import FactoredGrad
+
+SquaredNormsFn = Callable[[FactoredGrad], jax.Array]
+
+
+def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str = "abadi",
+                          gamma: float = 0.01, strategy: str = "auto",
+                          chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE,
+                          memory_budget_bytes: int = norms_lib.DEFAULT_MEMORY_BUDGET_BYTES,
+                          fallback: bool = True, squared_norms_fn: SquaredNormsFn | None = None):
+    """Makes `fn(model, batch) -> (losses, sums, norms)`: flat-clipped per-example gradient sums in two passes.
+
+    `sums` has the structure of `nnx.state(model, nnx.Param)` and equals the
+    `sums` of `jaxdp.clipped_aggregate(per_example_grads(loss_fn)(model, batch)[1],
+    l2_norm_clip, clipping="flat", ...)`; `norms` are the per-example norms (B,).
+    Noise is not added: see `jaxdp.sharding.ShardedDPStep(method="two_pass")`.
+
+    Args:
+      loss_fn: `loss_fn(model, batch) -> losses (B,)`, as for `per_example_grads`.
+        Every batch leaf with a leading axis of size B is per-example.
+      l2_norm_clip: C > 0.
+      clip_fn, gamma: as `jaxdp.fused_clip`.
+      strategy, chunk_size, memory_budget_bytes: how each parameter's norm is
+        formed (`jaxdp.squared_norms`); ignored when `squared_norms_fn` is given.
+      fallback: as `per_example_grads`.
+      squared_norms_fn: `FactoredGrad -> (B,)` squared norms; the
+        context-parallel step passes `jaxdp.sharding.context_parallel.squared_norms`.
+    """
+    if not l2_norm_clip > 0:
+        raise ValueError(f"l2_norm_clip must be > 0, got {l2_norm_clip}")
+    clipping_lib.check_clip_fn(clip_fn)
+    if squared_norms_fn is None:
+        norms_lib.check_strategy(strategy)
+        squared_norms_fn = functools.partial(norms_lib.squared_norms, strategy=strategy, chunk_size=chunk_size,
+                                             memory_budget_bytes=memory_budget_bytes)
+
+    def fn(model: nnx.Module, batch):
+        graphdef, params, rest, uses, axes, losses_of = discover(loss_fn, model, batch)
+        names = {k: tuple(jax.eval_shape(lambda r, g, u=u: use_terms(u, g, r), u.record, u.y))
+                 for k, u in uses.items()}
+        uses_of: dict[tuple, int] = {}
+        for k, u in uses.items():
+            for name in names[k]:
+                uses_of[u.path + (name,)] = uses_of.get(u.path + (name,), 0) + 1
+        single = {p for p, n in uses_of.items() if n == 1}
+
+        slots, norms_fns = {}, {}
+        for k, u in uses.items():
+            mine = tuple(n for n in names[k] if u.path + (n,) in single)
+            dtype = _norm_dtype(u)
+            slots[k] = {"norms": {n: _tape.varying_like(jnp.zeros(u.y.shape[:1], dtype), axes) for n in mine}}
+            if len(mine) < len(names[k]):
+                slots[k]["g"], slots[k]["record"] = term_slots(u)
+            norms_fns[k] = functools.partial(_self_norms, u, mine, dtype, squared_norms_fn)
+
+        def norms_pass(slots, params, rest):
+            with _tape.recording("norms", slots, axes, norms_fns):
+                return losses_of(jax.lax.stop_gradient(params), rest)
+
+        losses, vjp_fn, new_rest = jax.vjp(norms_pass, slots, params, rest, has_aux=True)
+        slot_cts, _, _ = vjp_fn(jnp.ones_like(losses))
+        nnx.update(model, new_rest)
+
+        sq_B = sum(v for ct in slot_cts.values() for v in ct["norms"].values())
+        kept: dict[tuple, list] = {}
+        for k, u in uses.items():
+            if "g" in slot_cts[k]:
+                for name, term in use_terms(u, slot_cts[k]["g"], slot_cts[k]["record"]).items():
+                    if u.path + (name,) not in single:
+                        kept.setdefault(u.path + (name,), []).append(term)
+        covered = {**kept, **{p: [] for p in single}}
+        add_fallback_terms(covered, loss_fn, graphdef, params, rest, batch, fallback)
+        for terms in covered.values():
+            if terms:
+                sq_B = sq_B + squared_norms_fn(FactoredGrad(tuple(terms)))
+
+        norms_B = jnp.sqrt(sq_B)
+        keep_B = jnp.isfinite(norms_B)
+        factors_B = jnp.where(keep_B, clipping_lib.clip_factors(norms_B, l2_norm_clip, clip_fn, gamma), 0)
+        # The barrier starts pass 2 after pass 1 has finished: otherwise the scheduler may run the
+        # two forwards side by side and hold both passes' activations at once.
+        batch2 = _replace_dropped(batch, keep_B, losses.shape[0])
+        params2, rest2, batch2, factors_B = jax.lax.optimization_barrier((params, rest, batch2, factors_B))
+        sums = _weighted_grad(loss_fn, graphdef, params2, rest2, batch2, factors_B, axes)
+        sums = jax.tree.map(lambda s: jnp.where(jnp.any(keep_B), s, 0), sums)
+        return losses, sums, norms_B
+
+    return fn
+
+
+def _norm_dtype(use: _tape.Use):
+    """float32, or float64 for float64 layers (the precision `jaxdp.norms` accumulates in)."""
+    return jnp.promote_types(jnp.promote_types(use.y.dtype, use.record.dtype), jnp.float32)
+
+
+def _self_norms(use, names, dtype, squared_norms_fn, record, g) -> dict:
+    """Squared norms (B,) of this use's single-use parameters (`_norm_tap`'s backward)."""
+    terms = use_terms(use, g, record)
+    return {n: squared_norms_fn(FactoredGrad((terms[n],))).astype(dtype) for n in names}
+
+
+def _replace_dropped(batch, keep_B, B):
+    """The batch with every dropped example replaced by the first kept one (all kept: unchanged)."""
+    donor = jnp.argmax(keep_B)
+
+    def replace(a):
+        if jnp.ndim(a) == 0 or a.shape[0] != B:
+            return a
+        return jnp.where(keep_B.reshape((B,) + (1,) * (a.ndim - 1)), a, a[donor])
+    return jax.tree.map(replace, batch)
+
+
+def _weighted_grad(loss_fn, graphdef, params, rest, batch, factors_B, axes):
+    """Gradient of sum_b c_b loss_b with respect to `params` (c constant): one ordinary backward pass.
+
+    Inside shard_map the parameters are first marked varying like the batch,
+    so the gradient is this device's partial (no implicit psum; the caller
+    reduces it).
+    """
+    params = jax.tree.map(
+        lambda p: _tape.varying_like(p, tuple(a for a in axes if a not in _tape.varying_axes(p))), params)
+    factors_B = jax.lax.stop_gradient(factors_B)
+
+    def weighted(params):
+        return jnp.sum(factors_B * loss_fn(nnx.merge(graphdef, params, rest), batch))
+
+    return jax.grad(weighted)(params)
