@@ -94,7 +94,7 @@ def loss_fn(model, batch):
     return context.sequence_mean(nll)
 
 
-def _step(make_model, dp: bool, mesh, B: int, zero_stage: int, dp_method: str = "bookkeeping"):
+def _step(make_model, dp: bool, mesh, B: int, zero_stage: int, dp_method: str):
     """(step, model builder) of one configuration; `B` is the global batch size.
 
     DP and non-DP are the same `ShardedDPStep` (`private=dp`): same mesh, shardings
@@ -181,7 +181,8 @@ def measure(name: str, dp: bool, remat: str, data: int, seq: int, cfg: dict) -> 
     options = _FAST_COMPILE if jax.default_backend() == "cpu" else None
 
     def bytes_at(T):
-        step, build = _step(_model(name, T, cfg["dtype"], remat), dp, mesh, B, cfg["zero_stage"], cfg["dp_method"])
+        step, build = _step(_model(name, T, cfg["dtype"], remat), dp, mesh, B, cfg["zero_stage"],
+                            cfg["dp_method"])
         state = nnx.eval_shape(lambda: step.init(build()))
         return step_bytes(step.lower(state, _batch(B, T)).compile(compiler_options=options))
 
@@ -192,11 +193,11 @@ def measure(name: str, dp: bool, remat: str, data: int, seq: int, cfg: dict) -> 
     T, nbytes = longest_fitting(bytes_at, cfg["min_seq_len"], cfg["max_seq_len"], granularity,
                                 cfg["budget_bytes"], start=start)
     row = dict(model=name, dp=dp, dp_method=cfg["dp_method"] if dp else None, remat=remat, data=data, seq=seq,
-               max_seq_len=T, step_bytes=nbytes,
-               tokens_per_s=None)
+               max_seq_len=T, step_bytes=nbytes, tokens_per_s=None)
     if T is None or not cfg["time"]:
         return row
-    step, build = _step(_model(name, T, cfg["dtype"], remat), dp, mesh, B, cfg["zero_stage"], cfg["dp_method"])
+    step, build = _step(_model(name, T, cfg["dtype"], remat), dp, mesh, B, cfg["zero_stage"],
+                        cfg["dp_method"])
     state = step.init(build())
     batch = _batch(B, T, step, jax.random.key(1))
     state, _ = jax.block_until_ready(step(state, batch))  # compile (fully optimised) + warm up
@@ -255,7 +256,8 @@ def main(argv):
     else:
         cfg = dict(models=MODELS.value, remats=REMATS.value, data=DATA.value, seqs=[int(s) for s in SEQ.value],
                    zero_stage=ZERO.value, dp_method=DP_METHOD.value, batch_size=BATCH_SIZE.value,
-                   dtype=DTYPE.value, min_seq_len=MIN_SEQ.value, max_seq_len=MAX_SEQ.value, granularity=GRANULARITY.value,
+                   dtype=DTYPE.value, min_seq_len=MIN_SEQ.value, max_seq_len=MAX_SEQ.value,
+                   granularity=GRANULARITY.value,
                    time=TIME.value, steps=STEPS.value, budget_bytes=BUDGET.value * 2**30)
         out_path = OUT.value
     import jax

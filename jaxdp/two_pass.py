@@ -138,7 +138,7 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str 
         # two forwards side by side and hold both passes' activations at once.
         batch2 = _replace_dropped(batch, keep_B, losses.shape[0])
         params2, rest2, batch2, factors_B = jax.lax.optimization_barrier((params, rest, batch2, factors_B))
-        sums = _weighted_grad(loss_fn, graphdef, params2, rest2, batch2, factors_B, axes)
+        sums, _ = weighted_loss_grad(loss_fn, graphdef, params2, rest2, batch2, axes, factors_B)
         sums = jax.tree.map(lambda s: jnp.where(jnp.any(keep_B), s, 0), sums)
         return losses, sums, norms_B
 
@@ -167,18 +167,21 @@ def _replace_dropped(batch, keep_B, B):
     return jax.tree.map(replace, batch)
 
 
-def _weighted_grad(loss_fn, graphdef, params, rest, batch, factors_B, axes):
-    """Gradient of sum_b c_b loss_b with respect to `params` (c constant): one ordinary backward pass.
+def weighted_loss_grad(loss_fn, graphdef, params, rest, batch, axes, weights_B=None):
+    """(gradient of sum_b w_b loss_b with respect to `params`, losses): one ordinary backward pass.
 
-    Inside shard_map the parameters are first marked varying like the batch,
-    so the gradient is this device's partial (no implicit psum; the caller
-    reduces it).
+    `weights_B` is held constant; None weighs every example 1. Inside
+    shard_map the parameters are first marked varying over `axes` (the mesh
+    axes the batch varies over), so the gradient is this device's partial:
+    nothing comes back implicitly psum-ed (DESIGN.md's pitfall); the caller
+    reduces it.
     """
     params = jax.tree.map(
         lambda p: _tape.varying_like(p, tuple(a for a in axes if a not in _tape.varying_axes(p))), params)
-    factors_B = jax.lax.stop_gradient(factors_B)
 
-    def weighted(params):
-        return jnp.sum(factors_B * loss_fn(nnx.merge(graphdef, params, rest), batch))
+    def total_loss(params):
+        losses = loss_fn(nnx.merge(graphdef, params, rest), batch)
+        total = losses.sum() if weights_B is None else jnp.sum(jax.lax.stop_gradient(weights_B) * losses)
+        return total, losses
 
-    return jax.grad(weighted)(params)
+    return jax.grad(total_loss, has_aux=True)(params)

@@ -62,11 +62,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp import clipping as clipping_lib
 from jaxdp import norms as norms_lib
-from jaxdp._tape import varying_axes, varying_like
 from jaxdp.fused_clip import clipped_aggregate
 from jaxdp.per_example import per_example_grads
 from jaxdp.sharding import context, context_parallel
-from jaxdp.two_pass import two_pass_clipped_sums
+from jaxdp.two_pass import two_pass_clipped_sums, weighted_loss_grad
 from jaxdp.sharding.mesh import DATA, SEQ, param_dims, spec_for
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -200,14 +199,11 @@ class ShardedDPStep:
         model = nnx.merge(self.graphdef, params, rest)
         if self.method == "two_pass":
             kw = self.clip_kwargs
-            if cp_axis is None:
-                norms_fn = functools.partial(norms_lib.squared_norms, strategy=kw["strategy"],
-                                             chunk_size=kw["chunk_size"])
-            else:
-                norms_fn = functools.partial(context_parallel.squared_norms, axis=SEQ,
-                                             strategy=kw["strategy"], chunk_size=kw["chunk_size"])
-            losses, sums, _ = two_pass_clipped_sums(self.loss_fn, self.l2_norm_clip, clip_fn=kw["clip_fn"],
-                                                    gamma=kw["gamma"], squared_norms_fn=norms_fn)(model, batch)
+            norms_fn = None if cp_axis is None else functools.partial(
+                context_parallel.squared_norms, axis=SEQ, strategy=kw["strategy"], chunk_size=kw["chunk_size"])
+            losses, sums, _ = two_pass_clipped_sums(
+                self.loss_fn, self.l2_norm_clip, clip_fn=kw["clip_fn"], gamma=kw["gamma"], strategy=kw["strategy"],
+                chunk_size=kw["chunk_size"], squared_norms_fn=norms_fn)(model, batch)
             return losses, sums
         losses, grads = per_example_grads(self.loss_fn)(model, batch)
         if cp_axis is None:
@@ -219,16 +215,7 @@ class ShardedDPStep:
     def _loss_grad(self, params, rest, batch, cp_axis):
         """Non-DP: per-example losses and this device's partial gradient of their sum (one backward)."""
         axes = (DATA, SEQ) if cp_axis is not None else (DATA,)
-        # Varying over the mesh, so the gradient is this device's partial: no cotangent comes
-        # back implicitly psum-ed (DESIGN.md's pitfall); it is reduced explicitly by the caller.
-        params = jax.tree.map(
-            lambda p: varying_like(p, tuple(a for a in axes if a not in varying_axes(p))), params)
-
-        def total_loss(params):
-            losses = self.loss_fn(nnx.merge(self.graphdef, params, rest), batch)
-            return losses.sum(), losses
-
-        grads, losses = jax.grad(total_loss, has_aux=True)(params)
+        grads, losses = weighted_loss_grad(self.loss_fn, self.graphdef, params, rest, batch, axes)
         return losses, grads
 
     def _step(self, state: ShardedDPState, batch):
