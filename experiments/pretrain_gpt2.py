@@ -8,9 +8,10 @@
 
     python -m experiments.pretrain_gpt2 --config.mesh.data=2 --config.mesh.seq=4 --config.mesh.zero_stage=1
     python -m experiments.pretrain_gpt2 --config.remat=dots  # "none" | "dots" | "full"
+    python -m experiments.pretrain_gpt2 --config.dp.method=two_pass  # flat clipping in two backward passes
 
-Several devices: `mesh.data * mesh.seq > 1` runs `jaxdp.sharding.ShardedDPStep`
-(DP only, accumulation_steps=1). Several hosts: run the same command on each
+Several devices (`mesh.data * mesh.seq > 1`) or `dp.method=two_pass` run
+`jaxdp.sharding.ShardedDPStep` (DP only, accumulation_steps=1). Several hosts: run the same command on each
 with JAX_COORDINATOR_ADDRESS=<host 0>:<port>, JAX_NUM_PROCESSES=<hosts> and
 JAX_PROCESS_ID=<0..hosts-1> set; `jax.distributed.initialize()` is then called
 before anything else touches the devices.

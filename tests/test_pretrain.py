@@ -143,12 +143,20 @@ def assert_first_metrics_equal(workdir, reference_workdir, *, num_rows):
                 assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (g["step"], key)
 
 
-def test_sharded_mesh_run_equals_single_device(reference_run, corpus, tmp_path):
-    """5 steps on a (data, seq) = (2, 4) mesh of fake CPU devices (ZeRO-1, context parallel) give
-    the single-device run's train / validation losses and epsilons to 1e-4."""
+@pytest.mark.parametrize("method", ["bookkeeping", "two_pass"])
+def test_sharded_mesh_run_equals_single_device(reference_run, corpus, tmp_path, monkeypatch, method):
+    """5 steps on a (data, seq) = (2, 4) mesh of fake CPU devices (ZeRO-1, context parallel), by
+    either flat-clipping method, give the single-device run's train / validation losses and
+    epsilons to 1e-4."""
+    from jaxdp.sharding import dp_step
+    traced = []  # the config's method must reach the step, not only give equal losses
+    real = dp_step.two_pass_clipped_sums
+    monkeypatch.setattr(dp_step, "two_pass_clipped_sums", lambda *a, **k: traced.append(1) or real(*a, **k))
     workdir, _ = reference_run
-    config = tiny_config(corpus, tmp_path / "sharded", mesh__data=2, mesh__seq=4, mesh__zero_stage=1)
+    config = tiny_config(corpus, tmp_path / "sharded", mesh__data=2, mesh__seq=4, mesh__zero_stage=1,
+                         dp__method=method)
     training.train(config, interrupt_after=5, verbose=False)
+    assert bool(traced) == (method == "two_pass")
     assert_first_metrics_equal(tmp_path / "sharded", workdir, num_rows=6)
 
 
@@ -246,6 +254,9 @@ def _existing_run_dir(path):
     ({"dp.target_epsilon": -1.0}, "target_epsilon"),
     ({"dp.l2_norm_clip": 0.0}, "l2_norm_clip"),
     ({"dp.clipping": "per_example"}, "clipping"),
+    ({"dp.method": "ghost"}, "dp.method"),
+    ({"dp.method": "two_pass", "dp.clipping": "per_layer"}, "needs config.dp.clipping='flat'"),
+    ({"dp.method": "two_pass", "accumulation_steps": 2}, "accumulation_steps"),
     ({"checkpoint_every": 3, "log_every": 2}, "log_every"),
     ({"batch_size": 10**7}, "batch_size"),
     ({"seq_len": 16, "model.max_seq_len": 16, "data.validation_fraction": 1e-9}, None),

@@ -13,7 +13,7 @@
      micro-batch (`steps`: `per_example_grads` -> `fused_clip` -> adamw inside
      `nnx.Optimizer`, the plain mean-loss gradient when `dp.enabled=False`, or
      `jaxdp.sharding.ShardedDPStep` on a (data, seq) mesh when
-     `mesh.data * mesh.seq > 1`), and the privacy accountant, which stops
+     `mesh.data * mesh.seq > 1` or `dp.method="two_pass"`), and the privacy accountant, which stops
      training before `dp.target_epsilon` is exceeded.
   3. The run directory (`run_dir`): `config.json`, `metrics.jsonl`,
      `tokenizer/`, orbax checkpoints (the latest is kept), `summary.json`,

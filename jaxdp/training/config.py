@@ -31,6 +31,7 @@ from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.models.remat import REMAT_POLICIES
 from jaxdp.sampling import OVERFLOW_MODES, PoissonSampler
+from jaxdp.sharding.dp_step import METHODS
 from jaxdp.training.run_dir import CONFIG_FILE, TOKENIZER_DIR
 
 
@@ -69,6 +70,12 @@ def build_model(config: GPT2Config | LlamaConfig, seed: int) -> nnx.Module:
 
 def mesh_size(config) -> int:
     return config.mesh.data * config.mesh.seq
+
+
+def runs_sharded_step(config) -> bool:
+    """Whether the job trains with `ShardedDPStep` (a mesh of several devices, or
+    `dp.method="two_pass"`, which only it implements) instead of the single-device step."""
+    return mesh_size(config) > 1 or (config.dp.enabled and config.dp.method == "two_pass")
 
 
 # ------------------------------------------------------------------ validation
@@ -153,10 +160,11 @@ def validate_config(config) -> None:
                  f"{jax.device_count()} devices available")
         _require(config.dp.enabled and config.dp.strategy != "reference",
                  "a mesh of more than one device runs the DP step (dp.enabled=True, dp.strategy != 'reference')")
-        _require(config.accumulation_steps == 1,
-                 "a mesh of more than one device needs config.accumulation_steps == 1")
         _require(config.seq_len % config.mesh.seq == 0,
                  f"config.seq_len ({config.seq_len}) must be divisible by config.mesh.seq ({config.mesh.seq})")
+    if runs_sharded_step(config):
+        why = "a mesh of more than one device" if mesh_size(config) > 1 else "config.dp.method='two_pass'"
+        _require(config.accumulation_steps == 1, f"{why} needs config.accumulation_steps == 1")
     _require(config.dtype in ("float32", "bfloat16"),
              f"config.dtype must be 'float32' or 'bfloat16', got {config.dtype!r}")
     _require(config.accountant in accounting.ACCOUNTANTS,
@@ -178,6 +186,12 @@ def validate_config(config) -> None:
     strategies = norms_lib.STRATEGIES + ("reference",)
     _require(dp.strategy in strategies,
              f"config.dp.strategy must be one of {strategies}, got {dp.strategy!r}")
+    _require(dp.method in METHODS, f"config.dp.method must be one of {METHODS}, got {dp.method!r}")
+    if dp.method == "two_pass":
+        _require(dp.clipping == "flat",
+                 f"config.dp.method='two_pass' needs config.dp.clipping='flat', got {dp.clipping!r}")
+        _require(dp.strategy != "reference",
+                 "config.dp.method='two_pass' cannot run with config.dp.strategy='reference' (the vmap baseline)")
     _require(dp.overflow in OVERFLOW_MODES,
              f"config.dp.overflow must be one of {OVERFLOW_MODES}, got {dp.overflow!r}")
     if dp.enabled:
@@ -253,7 +267,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
         raise ConfigError(f"sampler: {e}") from None
     if sampler.max_batch_size % k:  # room for k equal micro-batches
         sampler.max_batch_size += k - sampler.max_batch_size % k
-    data = config.mesh.data if mesh_size(config) > 1 else 1
+    data = config.mesh.data if runs_sharded_step(config) else 1
     if sampler.max_batch_size % data:  # equal shards over the `data` axis
         sampler.max_batch_size += data - sampler.max_batch_size % data
     delta, sigma = None, 0.0

@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxdp import accounting
 from jaxdp import data as data_lib
-from jaxdp.training.config import Prepared, build_model, mesh_size, prepare
+from jaxdp.training.config import Prepared, build_model, prepare, runs_sharded_step
 from jaxdp.training.generation import write_samples
 from jaxdp.training.run_dir import (
     CHECKPOINT_DIR,
@@ -110,7 +110,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     write_metrics(workdir, rows)
     initial_val_loss = rows[0]["val_loss"]
 
-    sharded = ShardedTrainer(config, model, optimizer, p.noise_multiplier) if mesh_size(config) > 1 else None
+    sharded = ShardedTrainer(config, model, optimizer, p.noise_multiplier) if runs_sharded_step(config) else None
     if sharded is None:
         step_fn = make_train_step(dp, per_example="reference" if config.dp.strategy == "reference" else "jaxdp")
     else:

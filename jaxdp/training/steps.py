@@ -144,7 +144,8 @@ class ShardedTrainer:
         self.step = sharding.ShardedDPStep(
             cp_lm_losses, inner, mesh, l2_norm_clip=dp.l2_norm_clip, noise_multiplier=float(noise_multiplier),
             expected_batch_size=float(config.batch_size), seed=config.seed + 1,
-            zero_stage=config.mesh.zero_stage, clipping=dp.clipping, clip_fn=dp.clip_fn, strategy=dp.strategy)
+            zero_stage=config.mesh.zero_stage, clipping=dp.clipping, clip_fn=dp.clip_fn, strategy=dp.strategy,
+            method=dp.method)
         self.load()
 
     def _adam_variables(self):
