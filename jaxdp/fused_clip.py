@@ -46,7 +46,8 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
                       gamma: float = 0.01, strategy: str = "auto",
                       group_weights: Mapping[Hashable, float] | None = None,
                       chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE,
-                      memory_budget_bytes: int = norms_lib.DEFAULT_MEMORY_BUDGET_BYTES):
+                      memory_budget_bytes: int = norms_lib.DEFAULT_MEMORY_BUDGET_BYTES,
+                      squared_norms_fn: norms_lib.SquaredNormsFn | None = None):
     """Sum over examples of clipped per-example gradients, and per-group norms.
 
     Returns `(sums, group_norms)`: `sums` has the tree structure of `grads`
@@ -56,16 +57,25 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     With `strategy="pallas"`, a group with exactly one linear term (per-layer
     clipping: a Linear's kernel, or the tied embedding's head use) takes the
     single-pass kernel for that term: see `_single_pass_sums`.
+
+    `squared_norms_fn` (`FactoredGrad -> (B,)`) replaces `jaxdp.squared_norms`
+    (and the single-pass kernel) for every parameter. The context-parallel
+    step passes `jaxdp.sharding.context_parallel.squared_norms`: its gradients
+    are sequence-shard partials, its norms exact, and the sums this returns
+    the shard's share (summed over the sequence axis by the caller).
     """
     paths, factored, treedef = flatten_grads(grads)
     groups = [clipping_lib.group_of(p, clipping) for p in paths]
     thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
-    single = _single_linear_terms(factored, groups) if strategy == "pallas" else {}
+    single = _single_linear_terms(factored, groups) if strategy == "pallas" and squared_norms_fn is None else {}
     sq_by_group: dict = {}
     for i, (grad, group) in enumerate(zip(factored, groups)):
-        skip = single[group][1] if single.get(group, (None,))[0] == i else None
-        sq = norms_lib.squared_norms(grad, strategy, chunk_size=chunk_size,
-                                     memory_budget_bytes=memory_budget_bytes, skip_self=skip)
+        if squared_norms_fn is not None:
+            sq = squared_norms_fn(grad)
+        else:
+            skip = single[group][1] if single.get(group, (None,))[0] == i else None
+            sq = norms_lib.squared_norms(grad, strategy, chunk_size=chunk_size,
+                                         memory_budget_bytes=memory_budget_bytes, skip_self=skip)
         sq_by_group[group] = sq if group not in sq_by_group else sq_by_group[group] + sq
 
     def factors_of(norms_B, group, keep_B):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,9 @@ import jax.numpy as jnp
 from jaxdp.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm, Term
 
 STRATEGIES = ("ghost", "instantiate", "auto", "pallas")
+# A parameter's per-example squared norms (B,) from its factored gradient: `squared_norms`
+# with fixed options, or `jaxdp.sharding.context_parallel.squared_norms` on sequence shards.
+SquaredNormsFn = Callable[[FactoredGrad], jax.Array]
 DEFAULT_CHUNK_SIZE = 8
 DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 

@@ -39,7 +39,6 @@ group inside one backward pass.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -57,14 +56,12 @@ from jaxdp.per_example import (
 )
 from jaxdp.terms import FactoredGrad
 
-SquaredNormsFn = Callable[[FactoredGrad], jax.Array]
-
 
 def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str = "abadi",
                           gamma: float = 0.01, strategy: str = "auto",
                           chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE,
                           memory_budget_bytes: int = norms_lib.DEFAULT_MEMORY_BUDGET_BYTES,
-                          fallback: bool = True, squared_norms_fn: SquaredNormsFn | None = None):
+                          fallback: bool = True, squared_norms_fn: norms_lib.SquaredNormsFn | None = None):
     """Makes `fn(model, batch) -> (losses, sums, norms)`: flat-clipped per-example gradient sums in two passes.
 
     `sums` has the structure of `nnx.state(model, nnx.Param)` and equals the

@@ -248,7 +248,7 @@ def test_zero3_memory_falls_with_data_shards():
     assert sizes[3] < 0.2 * sizes[0], sizes
 
 
-def test_bad_zero_stage():
+def test_bad_arguments_are_rejected():
     _, loss_fn, _ = setup("gpt2")
     with pytest.raises(ValueError, match="zero_stage"):
         sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1), l2_norm_clip=C,
@@ -261,6 +261,25 @@ def test_bad_zero_stage():
     with pytest.raises(ValueError, match="clipping"):
         sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1), l2_norm_clip=C, noise_multiplier=0.0,
                                expected_batch_size=EBS, method="two_pass", clipping="per_layer")
+    with pytest.raises(ValueError, match='strategy="pallas".*GPU'):  # CPU: JAX's Pallas interpreter
+        sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1), l2_norm_clip=C, noise_multiplier=0.0,
+                               expected_batch_size=EBS, strategy="pallas")
+
+
+@pytest.mark.parametrize("name, mesh_shape, clipping", [("gpt2", (8, 1), "per_layer"), ("gpt2cp", (2, 4), "flat")])
+def test_pallas_step_lowers_for_cuda(name, mesh_shape, clipping, monkeypatch):
+    """strategy="pallas" on a mesh: the step, Triton kernels inside the shard_map (single-pass kernel under
+    per-layer clipping, clipped-sum kernel on sequence partials), lowers for CUDA on CPU. The kernels'
+    outputs must be typed varying over the mesh (`pallas._common.out_struct`), else check_vma rejects them.
+    (Numbers need a GPU: on CPU the interpreter cannot run under shard_map, see test_bad_arguments_are_rejected.)"""
+    from jaxdp.pallas import _common
+    monkeypatch.setattr(_common, "resolve_interpret", lambda interpret: False)
+    model, loss_fn, batch = setup(name)
+    step = sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(*mesh_shape), l2_norm_clip=C,
+                                  noise_multiplier=SIGMA, expected_batch_size=EBS, zero_stage=1,
+                                  clipping=clipping, strategy="pallas")
+    text = step.lower(step.init(model), batch, lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
 
 
 class _LinearAndPlainScale(nnx.Module):

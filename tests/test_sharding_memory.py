@@ -222,7 +222,7 @@ def test_dp_adds_no_communication_over_data():
 
 def test_dp_adds_under_context_parallelism_exactly_its_norm_traffic():
     """One-block Llama tiny on (data, seq) = (4, 2), ZeRO-3: DP - non-DP bytes per device, by kind, are what
-    `context_parallel.clipped_aggregate` adds (B_loc = B / data examples per device, S = 2):
+    `context_parallel.squared_norms` adds (B_loc = B / data examples per device, S = 2):
 
       reduce-scatter  (S-1)/S x 4 B_loc x sum_l P_l   the per-example partials of every non-embedding
                                                       leaf l (P_l entries, padded to a multiple of S)

@@ -36,6 +36,30 @@ def block(dim: int, preferred: int) -> int:
     return max(MIN_BLOCK, min(preferred, pl.next_power_of_2(dim)))
 
 
+def _varying_axes(*inputs) -> frozenset:
+    """The mesh axes any of `inputs` varies over inside a `jax.shard_map` (empty outside one)."""
+    return frozenset().union(*(jax.typeof(a).mat.varying for a in inputs))
+
+
+def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+    """A pallas_call output's type: varying over every mesh axis that one of `inputs` varies over.
+
+    Inside `jax.shard_map(check_vma=True)` (`jaxdp.sharding.ShardedDPStep`)
+    pallas_call needs the varying axes of its outputs; outside a shard_map
+    they are empty.
+    """
+    varying = jax.sharding.ManualAxisType(varying=_varying_axes(*inputs))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=varying)
+
+
+def zeros_varying_like(shape, dtype, *inputs) -> jax.Array:
+    """Zeros typed as varying like `inputs` (see `out_struct`): the start of an accumulator
+    that a pallas_call updates in place (`input_output_aliases`: the output takes its type)."""
+    zeros = jnp.zeros(shape, dtype)
+    varying = _varying_axes(*inputs)
+    return jax.lax.pcast(zeros, tuple(sorted(varying)), to="varying") if varying else zeros
+
+
 def compiler_params(num_warps: int = 4, num_stages: int = 2):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -90,7 +114,7 @@ def per_example_partial_sums(kernel, x_BTP, g_BTD, n_i: int, n_j: int, *, name: 
     dt = compute_dtype(x_BTP, g_BTD)
     partials = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((B, n_i, n_j), jnp.float32),
+        out_shape=out_struct((B, n_i, n_j), jnp.float32, x_BTP, g_BTD),
         grid=(B, n_i, n_j),
         in_specs=[pl.BlockSpec((None, T, P), lambda b, i, j: (b, 0, 0)),
                   pl.BlockSpec((None, T, D), lambda b, i, j: (b, 0, 0))],

@@ -54,7 +54,7 @@ def _linear_clipped_sum_pallas(x_BTP, g_BTD, c_B, *, block_k, block_p, block_d, 
     dt = _common.compute_dtype(x_BTP, g_BTD)
     return pl.pallas_call(
         functools.partial(_linear_clipped_sum_kernel, seq_len=T, bk=bk, bp=bp, bd=bd),
-        out_shape=jax.ShapeDtypeStruct((P, D), jnp.float32),
+        out_shape=_common.out_struct((P, D), jnp.float32, x_BTP, g_BTD, c_B),
         grid=(pl.cdiv(P, bp), pl.cdiv(D, bd)),
         compiler_params=_common.compiler_params(num_warps=num_warps),
         interpret=_common.resolve_interpret(interpret),

@@ -82,8 +82,8 @@ def _chunk_pallas(x_BTP, g_BTD, b0, E, acc_PD, clip_factors_fn, extra_sq_E, *, b
     params = _common.compiler_params(num_warps=num_warps)
     tiles, partials = pl.pallas_call(
         functools.partial(_tiles_kernel, bt=bt, bp=bp, bd=bd),
-        out_shape=(jax.ShapeDtypeStruct((E, nP * bp, nD * bd), scratch_dtype),
-                   jax.ShapeDtypeStruct((E, nP, nD), jnp.float32)),
+        out_shape=(_common.out_struct((E, nP * bp, nD * bd), scratch_dtype, x_BTP, g_BTD),
+                   _common.out_struct((E, nP, nD), jnp.float32, x_BTP, g_BTD)),
         grid=(E, nP, nD),
         in_specs=[pl.BlockSpec((None, T, P), lambda e, i, j: (b0 + e, 0, 0)),
                   pl.BlockSpec((None, T, D), lambda e, i, j: (b0 + e, 0, 0))],
@@ -96,7 +96,7 @@ def _chunk_pallas(x_BTP, g_BTD, b0, E, acc_PD, clip_factors_fn, extra_sq_E, *, b
     c_E = _common.f32(clip_factors_fn(group_sq_E))
     acc_PD = pl.pallas_call(
         _scaled_tile_sum_kernel,
-        out_shape=jax.ShapeDtypeStruct(acc_PD.shape, jnp.float32),
+        out_shape=_common.out_struct(acc_PD.shape, jnp.float32, tiles, c_E, acc_PD),
         grid=(nP, nD),
         in_specs=[pl.BlockSpec((E, bp, bd), lambda i, j: (0, i, j)),
                   pl.BlockSpec((E,), lambda i, j: (0,)),
@@ -140,7 +140,7 @@ def linear_fused_clipped_sum(x_BTP: jax.Array, g_BTD: jax.Array,
     bt, bp, bd = _common.block(T, block_t), _common.block(P, block_p), _common.block(D, block_d)
     dt = _common.compute_dtype(x_BTP, g_BTD)
     x_BTP, g_BTD = x_BTP.astype(dt), g_BTD.astype(dt)
-    acc_PD = jnp.zeros((pl.cdiv(P, bp) * bp, pl.cdiv(D, bd) * bd), jnp.float32)
+    acc_PD = _common.zeros_varying_like((pl.cdiv(P, bp) * bp, pl.cdiv(D, bd) * bd), jnp.float32, x_BTP, g_BTD)
     interpret = _common.resolve_interpret(interpret)
     sq = []
     for b0 in range(0, B, chunk_size):  # static chunks: ceil(B / E) launch pairs

@@ -26,7 +26,8 @@ per-example gradient `G_b^s = x_{b,s}^T g_{b,s}`; the true one is
 Clipped sums are linear in the partials once the clip factors are known:
 `sum_b c_b G_b = sum_s sum_b c_b G_b^s`, so each shard clips its partial
 terms with the (global, identical) factors and the caller sums over `seq`
-together with the data-parallel reduction.
+together with the data-parallel reduction: `jaxdp.clipped_aggregate(grads,
+..., squared_norms_fn=functools.partial(squared_norms, axis="seq"))`.
 """
 
 from __future__ import annotations
@@ -34,9 +35,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxdp import clipping as clipping_lib
 from jaxdp import norms as norms_lib
-from jaxdp.fused_clip import flatten_grads
 from jaxdp.terms import EmbedTerm, FactoredGrad, instantiate
 
 
@@ -81,26 +80,3 @@ def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
         total = total + 2 * jax.lax.psum(sum(cross), axis)
     return total
 
-
-def clipped_aggregate(grads, l2_norm_clip: float, axis: str, *, clipping="flat", clip_fn: str = "abadi",
-                      gamma: float = 0.01, strategy: str = "auto", group_weights=None,
-                      chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE):
-    """`jaxdp.clipped_aggregate` for sequence-sharded per-example gradients.
-
-    Returns `(partial_sums, group_norms)`: norms are exact and identical on
-    every `axis` shard; `partial_sums` are this shard's share of the clipped
-    sums (sum them over `axis` for the clipped sums).
-    """
-    paths, factored, treedef = flatten_grads(grads)
-    groups = [clipping_lib.group_of(p, clipping) for p in paths]
-    thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
-    sq_by_group: dict = {}
-    for grad, group in zip(factored, groups):
-        sq = squared_norms(grad, axis, strategy, chunk_size=chunk_size)
-        sq_by_group[group] = sq if group not in sq_by_group else sq_by_group[group] + sq
-    norms = {g: jnp.sqrt(sq) for g, sq in sq_by_group.items()}
-    keep_B = jnp.all(jnp.stack([jnp.isfinite(n) for n in norms.values()]), axis=0)
-    factors = {g: jnp.where(keep_B, clipping_lib.clip_factors(n, thresholds[g], clip_fn, gamma), 0)
-               for g, n in norms.items()}
-    sums = [clipping_lib.clipped_sum(grad, factors[group], keep_B) for grad, group in zip(factored, groups)]
-    return jax.tree.unflatten(treedef, sums), norms

@@ -72,6 +72,11 @@ ZERO_STAGES = (0, 1, 2, 3)
 METHODS = ("bookkeeping", "two_pass")
 
 
+def _pallas_interpreted() -> bool:
+    from jaxdp.pallas import _common  # imports jax.experimental.pallas only when asked for
+    return _common.resolve_interpret(None)
+
+
 class ShardedDPState(NamedTuple):
     params: Any        # nnx.State of Params; sharded over `data` under ZeRO-3
     rest: Any          # the model's other state (replicated)
@@ -115,6 +120,10 @@ class ShardedDPStep:
         clipping_lib.check_clipping(clipping)
         clipping_lib.check_clip_fn(clip_fn)
         norms_lib.check_strategy(strategy)
+        if strategy == "pallas" and _pallas_interpreted():
+            raise ValueError('strategy="pallas" in ShardedDPStep needs a GPU: without one the Pallas kernels '
+                             "run in JAX's interpreter, which cannot run under shard_map; use "
+                             'strategy="auto", "ghost" or "instantiate"')
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
         self.zero_stage, self.seed, self.private, self.method = zero_stage, seed, private, method
         self.noise_std = noise_multiplier * l2_norm_clip if private else 0.0
@@ -197,19 +206,16 @@ class ShardedDPStep:
     def _clipped_sums(self, params, rest, batch, cp_axis):
         """DP: per-example losses and this device's share of the clipped per-example gradient sums."""
         model = nnx.merge(self.graphdef, params, rest)
+        kw = self.clip_kwargs
+        norms_fn = None if cp_axis is None else functools.partial(
+            context_parallel.squared_norms, axis=SEQ, strategy=kw["strategy"], chunk_size=kw["chunk_size"])
         if self.method == "two_pass":
-            kw = self.clip_kwargs
-            norms_fn = None if cp_axis is None else functools.partial(
-                context_parallel.squared_norms, axis=SEQ, strategy=kw["strategy"], chunk_size=kw["chunk_size"])
             losses, sums, _ = two_pass_clipped_sums(
                 self.loss_fn, self.l2_norm_clip, clip_fn=kw["clip_fn"], gamma=kw["gamma"], strategy=kw["strategy"],
                 chunk_size=kw["chunk_size"], squared_norms_fn=norms_fn)(model, batch)
             return losses, sums
         losses, grads = per_example_grads(self.loss_fn)(model, batch)
-        if cp_axis is None:
-            sums, _ = clipped_aggregate(grads, self.l2_norm_clip, **self.clip_kwargs)
-        else:
-            sums, _ = context_parallel.clipped_aggregate(grads, self.l2_norm_clip, SEQ, **self.clip_kwargs)
+        sums, _ = clipped_aggregate(grads, self.l2_norm_clip, squared_norms_fn=norms_fn, **kw)
         return losses, sums
 
     def _loss_grad(self, params, rest, batch, cp_axis):
@@ -246,6 +252,7 @@ class ShardedDPStep:
     def __call__(self, state: ShardedDPState, batch):
         return self._jit(batch)(state, batch)
 
-    def lower(self, state: ShardedDPState, batch):
-        """The lowered step (for `.compile().memory_analysis()` and HLO inspection)."""
-        return self._jit(batch).lower(state, batch)
+    def lower(self, state: ShardedDPState, batch, **lower_kwargs):
+        """The lowered step (for `.compile().memory_analysis()` and HLO inspection); `lower_kwargs` go to
+        `jax.stages.Traced.lower` (e.g. `lowering_platforms=("cuda",)`)."""
+        return self._jit(batch).trace(state, batch).lower(**lower_kwargs)
