@@ -257,6 +257,7 @@ def _existing_run_dir(path):
     ({"dp.method": "ghost"}, "dp.method"),
     ({"dp.method": "two_pass", "dp.clipping": "per_layer"}, "needs config.dp.clipping='flat'"),
     ({"dp.method": "two_pass", "accumulation_steps": 2}, "accumulation_steps"),
+    ({"dp.method": "two_pass", "dp.strategy": "pallas"}, "dp.strategy.*GPU"),  # CPU only
     ({"checkpoint_every": 3, "log_every": 2}, "log_every"),
     ({"batch_size": 10**7}, "batch_size"),
     ({"seq_len": 16, "model.max_seq_len": 16, "data.validation_fraction": 1e-9}, None),

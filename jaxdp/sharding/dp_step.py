@@ -72,9 +72,15 @@ ZERO_STAGES = (0, 1, 2, 3)
 METHODS = ("bookkeeping", "two_pass")
 
 
-def _pallas_interpreted() -> bool:
+def check_mesh_strategy(strategy: str) -> None:
+    """Raises ValueError if `strategy` cannot run inside the step's shard_map here."""
+    if strategy != "pallas":
+        return
     from jaxdp.pallas import _common  # imports jax.experimental.pallas only when asked for
-    return _common.resolve_interpret(None)
+    if _common.resolve_interpret(None):
+        raise ValueError('strategy="pallas" in ShardedDPStep needs a GPU: without one the Pallas kernels '
+                         "run in JAX's interpreter, which cannot run under shard_map; use "
+                         'strategy="auto", "ghost" or "instantiate"')
 
 
 class ShardedDPState(NamedTuple):
@@ -120,10 +126,7 @@ class ShardedDPStep:
         clipping_lib.check_clipping(clipping)
         clipping_lib.check_clip_fn(clip_fn)
         norms_lib.check_strategy(strategy)
-        if strategy == "pallas" and _pallas_interpreted():
-            raise ValueError('strategy="pallas" in ShardedDPStep needs a GPU: without one the Pallas kernels '
-                             "run in JAX's interpreter, which cannot run under shard_map; use "
-                             'strategy="auto", "ghost" or "instantiate"')
+        check_mesh_strategy(strategy)
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
         self.zero_stage, self.seed, self.private, self.method = zero_stage, seed, private, method
         self.noise_std = noise_multiplier * l2_norm_clip if private else 0.0

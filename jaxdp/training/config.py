@@ -31,7 +31,7 @@ from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.models.remat import REMAT_POLICIES
 from jaxdp.sampling import OVERFLOW_MODES, PoissonSampler
-from jaxdp.sharding.dp_step import METHODS
+from jaxdp.sharding.dp_step import METHODS, check_mesh_strategy
 from jaxdp.training.run_dir import CONFIG_FILE, TOKENIZER_DIR
 
 
@@ -165,6 +165,10 @@ def validate_config(config) -> None:
     if runs_sharded_step(config):
         why = "a mesh of more than one device" if mesh_size(config) > 1 else "config.dp.method='two_pass'"
         _require(config.accumulation_steps == 1, f"{why} needs config.accumulation_steps == 1")
+        try:
+            check_mesh_strategy(config.dp.strategy)
+        except ValueError as e:
+            raise ConfigError(f"config.dp.strategy: {e} ({why} runs ShardedDPStep)") from None
     _require(config.dtype in ("float32", "bfloat16"),
              f"config.dtype must be 'float32' or 'bfloat16', got {config.dtype!r}")
     _require(config.accountant in accounting.ACCOUNTANTS,
