@@ -4,6 +4,7 @@
     python -m experiments.long_context --seq=1,2,4,8 --memory_budget_gb=80  # context parallel over 8 GPUs
     python -m experiments.long_context --smoke                           # tiny models, 8 fake CPU devices
     python -m experiments.long_context --dp_method=two_pass              # DP by two passes (flat clipping)
+    python -m experiments.long_context --target=h100 --memory_budget_gb=80   # XLA:GPU's bytes, no GPU needed
 
 For every model, remat policy and mesh (`--data` x each of `--seq`), DP
 (`jaxdp.sharding.ShardedDPStep`: per-example gradients, clipping and noise,
@@ -27,6 +28,13 @@ every layer's input and output gradient until all norms are known;
 "two_pass" keeps none (norms inside each layer's backward, then a
 clip-weighted backward) at the cost of a second forward and backward.
 
+`--target=h100` compiles for an H100 without one: XLA:GPU's deviceless
+compile (`jax.experimental.topologies` with `gpu_targets/h100_sxm.txtpb`;
+needs `pip install jax-cuda12-plugin==<jax version> jax-cuda12-pjrt==<same>`
+and a `ptxas` on PATH, e.g. from `nvidia-cuda-nvcc-cu12`). The bytes are
+then XLA:GPU's buffer assignment for the chip (compile only: no step runs,
+no tokens/s), and remat gets its credit, unlike on XLA:CPU.
+
 Neither step donates its state, so both count the old and the new state.
 On CPU the bytes are XLA:CPU's buffer assignment: an estimate, not a GPU
 measurement. It does not show remat's saving (a plain 8-layer
@@ -41,6 +49,7 @@ import datetime
 import json
 import math
 import os
+import pathlib
 import time
 
 from absl import app, flags
@@ -63,6 +72,8 @@ TIME = flags.DEFINE_boolean("time", True, "run and time the longest fitting step
 STEPS = flags.DEFINE_integer("steps", 5, "timed steps (median)")
 OUT = flags.DEFINE_string("out", "benchmarks/long_context.json", "JSON output path")
 SMOKE = flags.DEFINE_boolean("smoke", False, "tiny GPT-2 and Llama, 8 fake CPU devices, seq 1/2/4/8, 16 MiB budget")
+TARGET = flags.DEFINE_enum("target", None, ["h100"], "compile for this GPU without one (XLA:GPU deviceless "
+                          "compile; compile only, implies --notime); default: the devices of this machine")
 
 # --smoke: the sweep shrunk to tiny models on 8 fake CPU devices (compiles dominate: ~30 s of CPU per row).
 SMOKE_CONFIG = dict(models=["gpt2-tiny", "llama-tiny"], remats=["none", "full"], data=1, seqs=[1, 2, 4, 8],
@@ -71,6 +82,23 @@ SMOKE_CONFIG = dict(models=["gpt2-tiny", "llama-tiny"], remats=["none", "full"],
 
 
 _FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
+_GPU_TARGETS = {"h100": "h100_sxm.txtpb"}
+
+
+def devices(target: str | None, count: int) -> list:
+    """This machine's devices, or `count` devices of a GPU `target` to compile for (none needed here)."""
+    import jax
+    if target is None:
+        return jax.devices()
+    from jax.experimental import topologies
+    config = (pathlib.Path(__file__).parent / "gpu_targets" / _GPU_TARGETS[target]).read_text()
+    try:
+        topology = topologies.get_topology_desc(target, "cuda", target_config=config, topology=f"1x1x{count}")
+    except Exception as e:  # no CUDA plugin: say what to install
+        raise RuntimeError(f"--target={target} needs JAX's CUDA plugin: pip install "
+                           f"jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__} "
+                           f"(and a ptxas on PATH); got {type(e).__name__}: {e}") from None
+    return list(topology.devices)
 
 
 def _model(name: str, T: int, dtype: str, remat: str):
@@ -174,11 +202,12 @@ def measure(name: str, dp: bool, remat: str, data: int, seq: int, cfg: dict) -> 
 
     if cfg["min_seq_len"] % seq or cfg["max_seq_len"] % seq:
         raise ValueError(f"min_seq_len and max_seq_len must be multiples of seq={seq}")
-    mesh = make_mesh(data, seq)
+    target = cfg.get("target")
+    mesh = make_mesh(data, seq, devices=devices(target, data * seq))
     B = cfg["batch_size"] * data
     # XLA:CPU spends most of a compile in LLVM; its optimisation level does not change the buffer
     # assignment that memory_analysis() reports, so the search compiles at -O0 (~4x faster here).
-    options = _FAST_COMPILE if jax.default_backend() == "cpu" else None
+    options = _FAST_COMPILE if target is None and jax.default_backend() == "cpu" else None
 
     def bytes_at(T):
         step, build = _step(_model(name, T, cfg["dtype"], remat), dp, mesh, B, cfg["zero_stage"],
@@ -194,7 +223,7 @@ def measure(name: str, dp: bool, remat: str, data: int, seq: int, cfg: dict) -> 
                                 cfg["budget_bytes"], start=start)
     row = dict(model=name, dp=dp, dp_method=cfg["dp_method"] if dp else None, remat=remat, data=data, seq=seq,
                max_seq_len=T, step_bytes=nbytes, tokens_per_s=None)
-    if T is None or not cfg["time"]:
+    if T is None or not cfg["time"] or target is not None:
         return row
     step, build = _step(_model(name, T, cfg["dtype"], remat), dp, mesh, B, cfg["zero_stage"],
                         cfg["dp_method"])
@@ -216,7 +245,7 @@ def run(cfg: dict, log=print) -> list[dict]:
     rows = []
     for name in cfg["models"]:
         for seq in cfg["seqs"]:
-            if cfg["data"] * seq > jax.device_count():
+            if cfg.get("target") is None and cfg["data"] * seq > jax.device_count():
                 log(f"skipping {cfg['data']}x{seq}: {jax.device_count()} devices")
                 continue
             for remat in cfg["remats"]:
@@ -258,15 +287,18 @@ def main(argv):
                    zero_stage=ZERO.value, dp_method=DP_METHOD.value, batch_size=BATCH_SIZE.value,
                    dtype=DTYPE.value, min_seq_len=MIN_SEQ.value, max_seq_len=MAX_SEQ.value,
                    granularity=GRANULARITY.value,
-                   time=TIME.value, steps=STEPS.value, budget_bytes=BUDGET.value * 2**30)
+                   time=TIME.value, steps=STEPS.value, budget_bytes=BUDGET.value * 2**30, target=TARGET.value)
         out_path = OUT.value
     import jax
     rows = run(cfg, log=lambda s: print(s, flush=True))
     device = jax.devices()[0].device_kind
-    if jax.default_backend() == "cpu":
+    if TARGET.value:
+        device = f"{devices(TARGET.value, 1)[0].device_kind}: XLA:GPU compile only, no GPU"
+    elif jax.default_backend() == "cpu":
         device = f"CPU, {jax.device_count()} devices on {os.cpu_count()} cores"
     print(table(rows, device))
-    out = dict(device=device, num_devices=jax.device_count(), jax=jax.__version__, config=cfg,
+    num_devices = cfg["data"] * max(cfg["seqs"]) if TARGET.value else jax.device_count()
+    out = dict(device=device, num_devices=num_devices, jax=jax.__version__, config=cfg,
                date=datetime.datetime.now(datetime.UTC).isoformat(), rows=rows)
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path, "w") as f:

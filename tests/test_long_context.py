@@ -68,3 +68,14 @@ def test_context_grows_with_seq_degree_and_dp_with_remat_reaches_non_dp():
         assert max_T[seq, True] >= max_T[seq, False] > 0
     for dp in (False, True):
         assert max_T[4, dp] > max_T[1, dp]
+
+
+def test_gpu_target_without_the_cuda_plugin_says_what_to_install():
+    """`--target=h100` (XLA:GPU deviceless compile) needs JAX's CUDA plugin, which CI does not install."""
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401
+        pytest.skip("the CUDA plugin is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(RuntimeError, match="pip install jax-cuda12-plugin"):
+        long_context.devices("h100", 1)
