@@ -85,8 +85,8 @@ def _group_size(attrs: str, num_partitions: int) -> int:
     return len(explicit.group(1).strip("{}").split(","))
 
 
-def _parse(hlo: str):
-    """{computation: [(name, result_text, opcode, rest)]}, the entry's name, num_partitions."""
+def parse_hlo(hlo: str):
+    """{computation: [(name, result_text, opcode, rest)] in schedule order}, the entry's name, num_partitions."""
     computations, entry, current = {}, None, None
     for line in hlo.splitlines():
         m = _COMPUTATION.match(line)
@@ -135,7 +135,7 @@ def collectives(compiled) -> list[Collective]:
     trip count (its executions per step would be unknown).
     """
     hlo = compiled if isinstance(compiled, str) else compiled.as_text()
-    computations, entry, num_partitions = _parse(hlo)
+    computations, entry, num_partitions = parse_hlo(hlo)
     counts = _counts(computations, entry)
     starts = {}
     found = []

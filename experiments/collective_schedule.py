@@ -1,0 +1,107 @@
+"""Where the compiler schedules the sharded step's collectives, DP vs non-DP (compile only).
+
+    python -m experiments.collective_schedule --target=h100 --models=llama-tiny --seq=4 --remat=full
+    XLA_FLAGS="--xla_gpu_reduce_scatter_combine_threshold_bytes=0 --xla_gpu_all_reduce_combine_threshold_bytes=0" \\
+        python -m experiments.collective_schedule --target=h100 --models=llama-tiny --seq=4 --remat=full
+
+For DP by each method (`ShardedDPStep(method=...)`) and non-DP
+(`private=False`) on a (1, seq) mesh, the step is compiled and its scheduled
+entry computation read: for each collective kind, the asynchronous
+start / done pairs, the most operands one pair carries (the combiner merges
+independent collectives into one), and how many compute instructions
+(fusions, custom calls such as GEMMs) the scheduler put between a start and
+its done: the work that collective can overlap with. It says where the
+overlap CAN happen, not how long anything takes. `--target=h100` is
+`experiments.long_context`'s deviceless XLA:GPU compile (see there for the
+CUDA plugin it needs); without it, this machine's backend (XLA:CPU issues
+synchronous collectives: no pairs).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+
+from absl import app, flags
+
+from experiments import long_context
+from jaxdp.sharding import collectives as collectives_lib
+
+# The model, mesh, remat, dtype and target flags are long_context's (--models, --seq, --remat, --dtype,
+# --target): every combination gets a table.
+SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "tokens per example")
+
+_COMPUTE = ("fusion", "custom-call", "dot", "convolution")  # opcodes that do the step's work
+
+
+def collective_pairs(hlo_text: str) -> list[dict]:
+    """One dict per collective of the ENTRY computation, in schedule order: kind, operands, the compute
+    instructions scheduled between its start and done (None if synchronous), where it starts (a fraction
+    of the schedule)."""
+    computations, entry, _ = collectives_lib.parse_hlo(hlo_text)
+    instructions = computations[entry]
+    starts, pairs = {}, []
+    for i, (name, _, opcode, rest) in enumerate(instructions):
+        kind = opcode.removesuffix("-start").removesuffix("-done")
+        if kind not in collectives_lib.KINDS:
+            continue
+        if opcode.endswith("-start"):
+            starts[name] = (i, rest.split(")")[0].count("%") or 1)
+        elif opcode.endswith("-done"):
+            j, operands = starts.pop(rest.split(")")[0].strip().lstrip("%"))
+            between = sum(1 for _, _, op, _ in instructions[j + 1:i] if op in _COMPUTE)
+            pairs.append(dict(kind=kind, operands=operands, between=between, at=j / len(instructions)))
+        else:
+            pairs.append(dict(kind=kind, operands=1, between=None, at=i / len(instructions)))
+    return pairs
+
+
+def schedule(model: str, seq: int, T: int, remat: str, dtype: str, target: str | None, private: bool,
+             method: str = "bookkeeping") -> list[dict]:
+    import optax
+    from flax import nnx
+
+    from jaxdp.sharding import ShardedDPStep, make_mesh
+
+    mesh = make_mesh(1, seq, devices=long_context.devices(target, seq))
+    step = ShardedDPStep(long_context.loss_fn, optax.adam(1e-4), mesh, l2_norm_clip=1.0, noise_multiplier=0.8,
+                         expected_batch_size=1.0, private=private, method=method)
+    build = long_context._model(model, T, dtype, remat)
+    state = nnx.eval_shape(lambda: step.init(build(nnx.Rngs(0))))
+    return collective_pairs(step.lower(state, long_context._batch(1, T)).compile().as_text())
+
+
+def table(rows: dict[str, list[dict]]) -> str:
+    lines = ["| program | collective | count | async pairs | most operands in one | compute ops between start "
+             "and done (min / median / max) | pairs with none | starts at (fraction of the schedule) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for program, pairs in rows.items():
+        by_kind = collections.defaultdict(list)
+        for p in pairs:
+            by_kind[p["kind"]].append(p)
+        for kind, ps in sorted(by_kind.items()):
+            between = [p["between"] for p in ps if p["between"] is not None]
+            spread = (f"{min(between)} / {statistics.median(between):g} / {max(between)}" if between else "n/a")
+            lines.append(f"| {program} | {kind} | {len(ps)} | {len(between)} | {max(p['operands'] for p in ps)} | "
+                         f"{spread} | {sum(b == 0 for b in between)} | "
+                         f"{min(p['at'] for p in ps):.2f}-{max(p['at'] for p in ps):.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    lc = long_context
+    for model in lc.MODELS.value:
+        for seq in map(int, lc.SEQ.value):
+            for remat in lc.REMATS.value:
+                args = (model, seq, SEQ_LEN.value, remat, lc.DTYPE.value, lc.TARGET.value)
+                rows = {"non-DP": schedule(*args, private=False),
+                        "DP book-keeping": schedule(*args, private=True, method="bookkeeping"),
+                        "DP two-pass": schedule(*args, private=True, method="two_pass")}
+                print(f"\n{model}, T = {SEQ_LEN.value}, mesh 1 x {seq}, remat {remat}, {lc.DTYPE.value}, "
+                      f"target {lc.TARGET.value or 'this machine'}")
+                print(table(rows), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
