@@ -11,6 +11,9 @@
 #   bash benchmarks/gpu_session.sh check          # kernels + DP paths equal their references ON THE GPU
 #   bash benchmarks/gpu_session.sh long_context   # LongShield target: with remat, DP's max context = non-DP's
 #   bash benchmarks/gpu_session.sh two_pass       # the same sweep with dp_method=two_pass
+# (Predicted by XLA:GPU's compile for an H100 without one, WORKSPACE.md: remat full, non-DP and two-pass
+# 32,256 tokens, book-keeping 29,696; remat none 13,824 for all. The GPU run adds tokens/s and checks
+# that the allocator fits what the compiler assigned.)
 #   bash benchmarks/gpu_session.sh kernels        # kernel times vs the non-DP weight gradient
 #
 # Each stage prints its table last and writes JSON and logs under $OUT; copy the numbers, with the
