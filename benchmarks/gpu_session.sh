@@ -24,6 +24,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.96  # the long-context budget (76 GiB) assumes it; JAX's default is 0.75
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
