@@ -15,6 +15,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxdp import _tape
+
 IMPLEMENTATIONS = ("pallas", "xla")
 MIN_BLOCK = 16  # tl.dot's smallest tile edge
 
@@ -36,9 +38,9 @@ def block(dim: int, preferred: int) -> int:
     return max(MIN_BLOCK, min(preferred, pl.next_power_of_2(dim)))
 
 
-def _varying_axes(*inputs) -> frozenset:
+def _varying_axes(*inputs) -> tuple[str, ...]:
     """The mesh axes any of `inputs` varies over inside a `jax.shard_map` (empty outside one)."""
-    return frozenset().union(*(jax.typeof(a).mat.varying for a in inputs))
+    return tuple(sorted(set().union(*(_tape.varying_axes(a) for a in inputs))))
 
 
 def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
@@ -48,16 +50,14 @@ def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
     pallas_call needs the varying axes of its outputs; outside a shard_map
     they are empty.
     """
-    varying = jax.sharding.ManualAxisType(varying=_varying_axes(*inputs))
+    varying = jax.sharding.ManualAxisType(varying=frozenset(_varying_axes(*inputs)))
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=varying)
 
 
 def zeros_varying_like(shape, dtype, *inputs) -> jax.Array:
     """Zeros typed as varying like `inputs` (see `out_struct`): the start of an accumulator
     that a pallas_call updates in place (`input_output_aliases`: the output takes its type)."""
-    zeros = jnp.zeros(shape, dtype)
-    varying = _varying_axes(*inputs)
-    return jax.lax.pcast(zeros, tuple(sorted(varying)), to="varying") if varying else zeros
+    return _tape.varying_like(jnp.zeros(shape, dtype), _varying_axes(*inputs))
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2):
