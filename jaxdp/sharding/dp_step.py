@@ -33,9 +33,10 @@ pitfall in DESIGN.md); every collective here is explicit.
 each layer's backward (under context parallelism the per-example
 reduce-scatter and norm psum run there, next to the layer's own backward),
 then an ordinary backward of the clip-weighted loss. No layer's activations
-and output gradients are kept past its backward, so the step's memory is
-the non-DP step's (with `remat`, too); the price is a second forward and
-backward. Flat clipping only.
+and output gradients are kept past its backward, so with `remat` it keeps
+no more activations than the non-DP step (XLA:GPU's compile for an H100 fits
+non-DP's longest context; see WORKSPACE.md); the price is a second forward
+and backward. Flat clipping only.
 
 `private=False` is the non-DP baseline on the same layout: step 1 becomes
 the ordinary gradient of `sum(losses)` (one backward pass, no per-example
