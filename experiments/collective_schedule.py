@@ -58,16 +58,13 @@ def collective_pairs(hlo_text: str) -> list[dict]:
 
 def schedule(model: str, seq: int, T: int, remat: str, dtype: str, target: str | None, private: bool,
              method: str = "bookkeeping") -> list[dict]:
-    import optax
     from flax import nnx
 
-    from jaxdp.sharding import ShardedDPStep, make_mesh
+    from jaxdp.sharding import make_mesh
 
     mesh = make_mesh(1, seq, devices=long_context.devices(target, seq))
-    step = ShardedDPStep(long_context.loss_fn, optax.adam(1e-4), mesh, l2_norm_clip=1.0, noise_multiplier=0.8,
-                         expected_batch_size=1.0, private=private, method=method)
-    build = long_context._model(model, T, dtype, remat)
-    state = nnx.eval_shape(lambda: step.init(build(nnx.Rngs(0))))
+    step, build = long_context._step(long_context._model(model, T, dtype, remat), private, mesh, 1, 0, method)
+    state = nnx.eval_shape(lambda: step.init(build()))
     return collective_pairs(step.lower(state, long_context._batch(1, T)).compile().as_text())
 
 
