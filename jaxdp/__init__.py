@@ -13,6 +13,7 @@ from jaxdp.clipping import group_thresholds
 from jaxdp.fused_clip import FusedClipState
 from jaxdp.fused_clip import clipped_aggregate
 from jaxdp.fused_clip import fused_clip
+from jaxdp.loss_check import check_per_example_loss
 from jaxdp.norms import squared_norms
 from jaxdp.per_example import per_example_grads
 from jaxdp.terms import DenseTerm
@@ -30,6 +31,7 @@ __all__ = [
     "FusedClipState",
     "LinearTerm",
     "accounting",
+    "check_per_example_loss",
     "clipped_aggregate",
     "data",
     "fused_clip",

@@ -5,6 +5,13 @@ for every `nnx.Param` of the model, a `FactoredGrad`: the per-example gradient
 in factored form (activations and output gradients for a linear weight,
 small per-example gradients for norm scales and biases). See `jaxdp.terms`.
 
+The loss must be per-example: `losses[b]` a function of example b's data only.
+A loss that couples examples (batch statistics, logits normalised over the
+batch, in-batch negatives) makes example b's gradient depend on the others, so
+clipping each example's gradient to C no longer bounds any example's
+contribution to the clipped sum by C, and the DP guarantee is void.
+`jaxdp.check_per_example_loss` checks this on a batch, once, before training.
+
 How: a shape-only pass (`jax.eval_shape`) finds every DP-layer call; a second
 pass runs the forward under `jax.vjp` with respect to one zero "slot" per
 call, whose cotangents are that call's output gradient and recorded input
@@ -50,8 +57,13 @@ def per_example_grads(loss_fn: LossFn, *, fallback: bool = True):
     Args:
       loss_fn: `loss_fn(model, batch) -> losses` with `losses` of shape (B,):
         one loss per example, so that the gradient of `sum(losses)` is the sum
-        of per-example gradients. Padding examples should have loss 0 (e.g.
-        `jnp.where(mask, loss, 0.0)`).
+        of per-example gradients. `losses[b]` must depend on example b's data
+        only: no batch statistics, normalisation over the batch or in-batch
+        negatives. With those an example also moves the other examples'
+        gradients, its contribution to the clipped sum is no longer bounded
+        by C and the DP guarantee is void; this function cannot detect it, so
+        run `jaxdp.check_per_example_loss` once before training. Padding
+        examples should have loss 0 (e.g. `jnp.where(mask, loss, 0.0)`).
       fallback: if True, parameters not covered by a `jaxdp.nn` layer rule get
         exact per-example gradients by `jax.vmap(jax.grad)` with respect to
         those parameters only (this runs the model once more, per example);
