@@ -9,6 +9,23 @@ Clip functions (n = the example's norm within the group):
   "abadi"      c = min(1, C_g / n)                 (Abadi et al. 2016)
   "automatic"  c = C_g / (n + gamma)               (Bu et al. 2023, arXiv:2206.07136)
 An example with any non-finite group norm contributes zero to every group.
+
+Rounding. The norm n a clip factor is computed from must not fall below the
+true norm: a computed squared norm s can be far too small, even 0 or
+negative, when the per-example gradient's parts cancel (ghost norms of
+tokens with x_2 = x_1, g_2 = -g_1 + small), and min(1, C_g / n) then lets
+the example through unclipped. `jaxdp.norms.rounding_bound` gives E >= |s -
+true| for every strategy; `guarded_norms` uses
+
+    n^2 = s+ + max(0, E - delta s+),   s+ = max(s, 0),   delta = 2**-12,
+
+which leaves n = sqrt(s) wherever the bound is negligible (E <= delta s+,
+every example of ordinary data at the test sizes), and otherwise adds the
+bound. Then true^2 <= s + E <= n^2 (1 + delta): every example's clipped
+contribution is at most C * SENSITIVITY_FACTOR, SENSITIVITY_FACTOR =
+sqrt(1 + delta) (1 + 1.2e-4), and the noise is calibrated to that
+sensitivity (`jaxdp.noise.noise_std`), so the privacy guarantee holds as
+accounted.
 """
 
 from __future__ import annotations
@@ -21,6 +38,8 @@ import jax.numpy as jnp
 from jaxdp.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm
 
 CLIPPINGS = ("flat", "per_layer")
+ROUNDING_DELTA = 2.0**-12
+SENSITIVITY_FACTOR = (1 + ROUNDING_DELTA) ** 0.5
 CLIP_FNS = ("abadi", "automatic")
 Path = tuple
 Grouping = str | Callable[[Path], Hashable]
@@ -58,6 +77,19 @@ def group_thresholds(groups, l2_norm_clip: float,
     return {g: l2_norm_clip * (weights[g] / total) ** 0.5 for g in groups}
 
 
+def guarded_norms(sq_B: jax.Array, bound_B: jax.Array) -> jax.Array:
+    """Per-example norms (B,) that clip safely: sqrt(s+ + max(0, E - delta s+)) (module docstring).
+
+    `sq_B`: computed squared norms (any strategy, may be negative under
+    cancellation); `bound_B`: a bound E on their rounding error. A
+    non-finite squared norm or bound gives a non-finite norm (the example is
+    dropped).
+    """
+    s_B = jnp.maximum(sq_B, 0)
+    n_B = jnp.sqrt(s_B + jnp.maximum(0, bound_B - ROUNDING_DELTA * s_B))
+    return jnp.where(jnp.isfinite(sq_B), n_B, sq_B)  # -inf (an overflowed cancellation) must not become 0
+
+
 def clip_factors(norms_B: jax.Array, threshold: float, clip_fn: str, gamma: float) -> jax.Array:
     """Per-example clip factors for one group's norms."""
     if clip_fn == "abadi":
@@ -82,7 +114,9 @@ def clipped_sum(grad: FactoredGrad, c_B: jax.Array, keep_B: jax.Array, *, pallas
             dt = jnp.promote_types(jnp.result_type(term.x_BTP, term.g_BTD), c_B.dtype)
             x = jnp.where(keep_B[:, None, None], term.x_BTP, 0)
             g = jnp.where(keep_B[:, None, None], term.g_BTD.astype(dt) * c_B[:, None, None].astype(dt), 0)
-            part = jnp.einsum("btp,btd->pd", x.astype(dt), g)
+            # HIGHEST: the scaled rows c_b g_b must enter the GEMM unrounded (TF32 would round them to
+            # 10 bits, and a cancelling example's sum would then exceed its clipped norm).
+            part = jnp.einsum("btp,btd->pd", x.astype(dt), g, precision=jax.lax.Precision.HIGHEST)
         elif isinstance(term, EmbedTerm):
             dt = jnp.promote_types(term.g_BTD.dtype, c_B.dtype)
             g = jnp.where(keep_B[:, None, None], term.g_BTD.astype(dt) * c_B[:, None, None].astype(dt), 0)
@@ -91,7 +125,8 @@ def clipped_sum(grad: FactoredGrad, c_B: jax.Array, keep_B: jax.Array, *, pallas
             dt = jnp.promote_types(term.value_B.dtype, c_B.dtype)
             keep = keep_B.reshape((-1,) + (1,) * (term.value_B.ndim - 1))
             v = jnp.where(keep, term.value_B.astype(dt), 0)
-            part = jnp.tensordot(jnp.where(keep_B, c_B, 0).astype(dt), v, axes=1)
+            part = jnp.tensordot(jnp.where(keep_B, c_B, 0).astype(dt), v, axes=1,
+                                 precision=jax.lax.Precision.HIGHEST)
         else:
             raise TypeError(f"unknown term type {type(term).__name__}")
         total = part if total is None else total + part

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxdp import clipping as clipping_lib
+from jaxdp import noise as noise_lib
 from jaxdp import norms as norms_lib
 from jaxdp.terms import FactoredGrad, LinearTerm, as_factored, is_factored
 
@@ -58,33 +59,42 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     clipping: a Linear's kernel, or the tied embedding's head use) takes the
     single-pass kernel for that term: see `_single_pass_sums`.
 
-    `squared_norms_fn` (`FactoredGrad -> (B,)`) replaces `jaxdp.squared_norms`
-    (and the single-pass kernel) for every parameter. The context-parallel
-    step passes `jaxdp.sharding.context_parallel.squared_norms`: its gradients
-    are sequence-shard partials, its norms exact, and the sums this returns
-    the shard's share (summed over the sequence axis by the caller).
+    Every clip factor comes from `jaxdp.clipping.guarded_norms` of the
+    group's squared norms and their rounding bound (`jaxdp.norms.rounding_bound`),
+    so cancellation inside a per-example gradient cannot shrink its norm;
+    `group_norms` are those guarded norms.
+
+    `squared_norms_fn` (`FactoredGrad -> (squared norms (B,), rounding bound (B,))`)
+    replaces `jaxdp.norms.squared_norms_with_bound` (and the single-pass
+    kernel) for every parameter. The context-parallel step passes
+    `jaxdp.sharding.context_parallel.squared_norms`: its gradients are
+    sequence-shard partials, its norms exact, and the sums this returns the
+    shard's share (summed over the sequence axis by the caller).
     """
     paths, factored, treedef = flatten_grads(grads)
     groups = [clipping_lib.group_of(p, clipping) for p in paths]
     thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
     single = _single_linear_terms(factored, groups) if strategy == "pallas" and squared_norms_fn is None else {}
     sq_by_group: dict = {}
+    bound_by_group: dict = {}
     for i, (grad, group) in enumerate(zip(factored, groups)):
         if squared_norms_fn is not None:
-            sq = squared_norms_fn(grad)
+            sq, bound = squared_norms_fn(grad)
         else:
             skip = single[group][1] if single.get(group, (None,))[0] == i else None
             sq = norms_lib.squared_norms(grad, strategy, chunk_size=chunk_size,
                                          memory_budget_bytes=memory_budget_bytes, skip_self=skip)
+            bound = norms_lib.rounding_bound(grad)
         sq_by_group[group] = sq if group not in sq_by_group else sq_by_group[group] + sq
+        bound_by_group[group] = bound if group not in bound_by_group else bound_by_group[group] + bound
 
     def factors_of(norms_B, group, keep_B):
         return jnp.where(keep_B, clipping_lib.clip_factors(norms_B, thresholds[group], clip_fn, gamma), 0)
 
     if single:
-        linear_sums, sq_by_group, keep_pre_B = _single_pass_sums(factored, single, sq_by_group, factors_of,
-                                                                 chunk_size)
-    norms = {g: jnp.sqrt(sq) for g, sq in sq_by_group.items()}
+        linear_sums, sq_by_group, keep_pre_B = _single_pass_sums(factored, single, sq_by_group, bound_by_group,
+                                                                 factors_of, chunk_size)
+    norms = {g: clipping_lib.guarded_norms(sq, bound_by_group[g]) for g, sq in sq_by_group.items()}
     keep_B = jnp.all(jnp.stack([jnp.isfinite(n) for n in norms.values()]), axis=0)
     factors = {g: factors_of(n, g, keep_B) for g, n in norms.items()}
     if single:
@@ -115,7 +125,7 @@ def _single_linear_terms(factored, groups) -> dict:
     return {g: refs[0] for g, refs in found.items() if len(refs) == 1}
 
 
-def _single_pass_sums(factored, single, sq_by_group, factors_of, chunk_size):
+def _single_pass_sums(factored, single, sq_by_group, bound_by_group, factors_of, chunk_size):
     """Clipped sums of the single linear terms, each G_b tile computed once (`linear_fused_clipped_sum`).
 
     A group's clip factor needs its norm only, which the kernel completes
@@ -144,14 +154,14 @@ def _single_pass_sums(factored, single, sq_by_group, factors_of, chunk_size):
     for g, (i, j) in single.items():
         term = factored[i].terms[j]
 
-        def clip_factors_fn(group_sq_E, g=g):
-            norms_E = jnp.sqrt(group_sq_E)
-            return factors_of(norms_E, g, jnp.isfinite(norms_E))
+        def clip_factors_fn(layer_sq_E, other_sq_E, bound_E, keep_E, g=g):
+            norms_E = clipping_lib.guarded_norms(layer_sq_E + other_sq_E, bound_E)
+            # keep_E False: dropped before the pass, the example contributes exact zeros.
+            return factors_of(norms_E, g, keep_E & jnp.isfinite(norms_E))
 
-        # NaN extra norms make the kernel's factor 0: examples dropped before the pass contribute exact zeros.
-        extra_B = jnp.where(keep_pre_B, sq_by_group[g], jnp.nan)
         linear_sums[g], sq_B = pallas_lib.linear_fused_clipped_sum(
-            term.x_BTP, term.g_BTD, clip_factors_fn, extra_sq_norms_B=extra_B, chunk_size=chunk_size)
+            term.x_BTP, term.g_BTD, clip_factors_fn,
+            factor_args_B=(sq_by_group[g], bound_by_group[g], keep_pre_B), chunk_size=chunk_size)
         sq_by_group[g] = sq_by_group[g] + sq_B
     return linear_sums, sq_by_group, keep_pre_B
 
@@ -177,7 +187,7 @@ def _check_positive(name, value, allow_zero=False):
 
 
 def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_size: float,
-               seed: int = 0, clipping="flat", clip_fn: str = "abadi", strategy: str = "auto",
+               key: jax.Array | None = None, clipping="flat", clip_fn: str = "abadi", strategy: str = "auto",
                accumulation_steps: int = 1, gamma: float = 0.01,
                group_weights: Mapping[Hashable, float] | None = None,
                chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE,
@@ -190,14 +200,18 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
     leading batch axis (as optax's `differentially_private_aggregate`), and
     returns parameter-shaped updates
 
-        (sum_b clip(G_b) + N(0, sigma^2 C^2 I)) / expected_batch_size
+        (sum_b clip(G_b) + N(0, sigma^2 C'^2 I)) / expected_batch_size,   C' = C * SENSITIVITY_FACTOR
 
-    on the last micro-step of each logical batch, and zeros on the others.
+    on the last micro-step of each logical batch, and zeros on the others
+    (`jaxdp.clipping.SENSITIVITY_FACTOR` = 1 + 1.2e-4 covers the rounding of
+    per-example norms, so C' is a sensitivity that holds in floating point).
 
     Formal guarantee: with Poisson sampling at rate q = expected_batch_size / N,
-    each example's total contribution to the sum has L2 norm <= C for every
-    `clipping` (group thresholds satisfy sum C_g^2 = C^2), so each logical
-    batch is the subsampled Gaussian mechanism with noise multiplier sigma;
+    each example's total contribution to the sum has L2 norm <= C' for every
+    `clipping` (group thresholds satisfy sum C_g^2 = C^2) and every
+    `strategy`, even when its per-example gradient cancels (see
+    `jaxdp.clipping`), so each logical batch is the subsampled Gaussian
+    mechanism with noise multiplier sigma; the noise must be secret (`key`);
     `jaxdp.accounting` turns (sigma, q, steps, delta) into epsilon. Dividing by
     the EXPECTED batch size (not the realised count) is what keeps that true.
 
@@ -207,9 +221,12 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
 
     Args:
       l2_norm_clip: C, the bound on each example's contribution.
-      noise_multiplier: sigma; noise std is sigma * C. 0 disables noise (no privacy).
+      noise_multiplier: sigma; noise std is sigma * C * SENSITIVITY_FACTOR. 0 disables noise (no privacy).
       expected_batch_size: q * N, the divisor of the noised sum.
-      seed: seed of the noise PRNG key kept in the state.
+      key: the noise PRNG key kept in the state (split once per logical
+        batch). None (the default) draws one from the operating system's
+        entropy (`jaxdp.noise.secret_key`); a pinned key reproduces the noise,
+        and whoever knows it can remove the noise.
       clipping: "flat" (one group), "per_layer" (a group per module: a
         parameter's path without its own name), or a callable path -> group key.
       clip_fn: "abadi" (min(1, C_g/n)) or "automatic" (C_g / (n + gamma)).
@@ -252,13 +269,14 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
     clipping_lib.check_clipping(clipping)
     clipping_lib.check_clip_fn(clip_fn)
     norms_lib.check_strategy(strategy)
-    noise_std = noise_multiplier * l2_norm_clip
+    noise_std = noise_lib.noise_std(l2_norm_clip, noise_multiplier)
+    key = noise_lib.check_key(key, "fused_clip")
 
     def init_fn(params):
         accumulated = None
         if accumulation_steps > 1:
             accumulated = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-        return FusedClipState(jax.random.key(seed), jnp.zeros((), jnp.int32), accumulated)
+        return FusedClipState(key, jnp.zeros((), jnp.int32), accumulated)
 
     def update_fn(grads, state, params=None):
         del params
@@ -270,12 +288,8 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
         is_last = state.micro_step == accumulation_steps - 1
 
         def emit(sums, key):
-            key, noise_key = jax.random.split(key)
-            leaves, treedef = jax.tree.flatten(sums)
-            if noise_std > 0:
-                keys = jax.random.split(noise_key, len(leaves))
-                leaves = [s + noise_std * jax.random.normal(k, s.shape, s.dtype) for s, k in zip(leaves, keys)]
-            updates = jax.tree.unflatten(treedef, [s / expected_batch_size for s in leaves])
+            key, noisy = noise_lib.add_noise(sums, key, noise_std)
+            updates = jax.tree.map(lambda s: s / expected_batch_size, noisy)
             return updates, key, jax.tree.map(jnp.zeros_like, sums)
 
         def hold(sums, key):

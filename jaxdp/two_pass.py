@@ -8,7 +8,8 @@ of every layer's activations, which activation checkpointing cannot reduce.
 Li et al. 2022, arXiv:2110.05679, and Opacus):
 
 1. norms: a forward and backward pass in which every DP layer's tap reduces
-   its `(x, g)` to per-example squared norms inside that layer's backward
+   its `(x, g)` to per-example squared norms and their rounding bounds
+   (`jaxdp.norms.rounding_bound`) inside that layer's backward
    (`jaxdp._tape` mode "norms") and drops them. Only a parameter with
    several uses (the tied embedding: lookup and head) keeps its terms, for
    its cross terms; parameters without a layer rule get per-example
@@ -77,17 +78,18 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str 
       l2_norm_clip: C > 0.
       clip_fn, gamma: as `jaxdp.fused_clip`.
       strategy, chunk_size, memory_budget_bytes: how each parameter's norm is
-        formed (`jaxdp.squared_norms`); ignored when `squared_norms_fn` is given.
+        formed (`jaxdp.norms.squared_norms_with_bound`); ignored when `squared_norms_fn` is given.
       fallback: as `per_example_grads`.
-      squared_norms_fn: `FactoredGrad -> (B,)` squared norms; the
-        context-parallel step passes `jaxdp.sharding.context_parallel.squared_norms`.
+      squared_norms_fn: `FactoredGrad -> (squared norms (B,), rounding bound (B,))`;
+        the context-parallel step passes `jaxdp.sharding.context_parallel.squared_norms`.
     """
     if not l2_norm_clip > 0:
         raise ValueError(f"l2_norm_clip must be > 0, got {l2_norm_clip}")
     clipping_lib.check_clip_fn(clip_fn)
     if squared_norms_fn is None:
         norms_lib.check_strategy(strategy)
-        squared_norms_fn = functools.partial(norms_lib.squared_norms, strategy=strategy, chunk_size=chunk_size,
+        squared_norms_fn = functools.partial(norms_lib.squared_norms_with_bound, strategy=strategy,
+                                             chunk_size=chunk_size,
                                              memory_budget_bytes=memory_budget_bytes)
 
     def fn(model: nnx.Module, batch):
@@ -104,7 +106,9 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str 
         for k, u in uses.items():
             mine = tuple(n for n in names[k] if u.path + (n,) in single)
             dtype = _norm_dtype(u)
-            slots[k] = {"norms": {n: _tape.varying_like(jnp.zeros(u.y.shape[:1], dtype), axes) for n in mine}}
+            # per name: (squared norms, rounding bound), shape (2, B)
+            slots[k] = {"norms": {n: _tape.varying_like(jnp.zeros((2,) + u.y.shape[:1], dtype), axes)
+                                  for n in mine}}
             if len(mine) < len(names[k]):
                 slots[k]["g"], slots[k]["record"] = term_slots(u)
             norms_fns[k] = functools.partial(_self_norms, u, mine, dtype, squared_norms_fn)
@@ -117,7 +121,8 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str 
         slot_cts, _, _ = vjp_fn(jnp.ones_like(losses))
         nnx.update(model, new_rest)
 
-        sq_B = sum(v for ct in slot_cts.values() for v in ct["norms"].values())
+        sq_B, bound_B = sum((v for ct in slot_cts.values() for v in ct["norms"].values()),
+                            jnp.zeros((2,) + losses.shape, jnp.float32))
         kept: dict[tuple, list] = {}
         for k, u in uses.items():
             if "g" in slot_cts[k]:
@@ -128,9 +133,10 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str 
         add_fallback_terms(covered, loss_fn, graphdef, params, rest, batch, fallback)
         for terms in covered.values():
             if terms:
-                sq_B = sq_B + squared_norms_fn(FactoredGrad(tuple(terms)))
+                sq, bound = squared_norms_fn(FactoredGrad(tuple(terms)))
+                sq_B, bound_B = sq_B + sq, bound_B + bound
 
-        norms_B = jnp.sqrt(sq_B)
+        norms_B = clipping_lib.guarded_norms(sq_B, bound_B)
         keep_B = jnp.isfinite(norms_B)
         factors_B = jnp.where(keep_B, clipping_lib.clip_factors(norms_B, l2_norm_clip, clip_fn, gamma), 0)
         # The barrier starts pass 2 after pass 1 has finished: otherwise the scheduler may run the
@@ -150,9 +156,9 @@ def _norm_dtype(use: _tape.Use):
 
 
 def _self_norms(use, names, dtype, squared_norms_fn, record, g) -> dict:
-    """Squared norms (B,) of this use's single-use parameters (`_norm_tap`'s backward)."""
+    """(squared norms, rounding bound), shape (2, B), of this use's single-use parameters (`_norm_tap`'s backward)."""
     terms = use_terms(use, g, record)
-    return {n: squared_norms_fn(FactoredGrad((terms[n],))).astype(dtype) for n in names}
+    return {n: jnp.stack(squared_norms_fn(FactoredGrad((terms[n],)))).astype(dtype) for n in names}
 
 
 def _replace_dropped(batch, keep_B, B):

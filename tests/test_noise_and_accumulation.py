@@ -37,7 +37,7 @@ def by_block(path):
 def test_noise_std_is_sigma_c(clipping):
     model, _, C, grads = setup()
     params = nnx.state(model, nnx.Param)
-    noisy = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=clipping, seed=5)
+    noisy = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=clipping, key=jax.random.key(5))
     clean = jaxdp.fused_clip(C, 0.0, expected_batch_size=EBS, clipping=clipping)
     update = jax.jit(noisy.update)
     u_noisy, state = update(grads, noisy.init(params), params)
@@ -53,10 +53,10 @@ def test_noise_std_is_sigma_c(clipping):
     noise2 = (flat(u_noisy2) - flat(u_clean)) * EBS
     corr = float(jnp.corrcoef(noise1, noise2)[0, 1])
     assert abs(corr) < 5 / np.sqrt(n)
-    # The same seed reproduces; another seed does not.
+    # The same key reproduces; another key does not.
     again, _ = update(grads, noisy.init(params), params)
     np.testing.assert_array_equal(flat(again), flat(u_noisy))
-    other = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=clipping, seed=6)
+    other = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=clipping, key=jax.random.key(6))
     u_other, _ = jax.jit(other.update)(grads, other.init(params), params)
     assert not np.array_equal(flat(u_other), flat(u_noisy))
 
@@ -113,3 +113,16 @@ def test_accumulation_adds_noise_once():
         u_clean, s_clean = clean_update(grads, s_clean, params)
     noise = (flat(u_noisy) - flat(u_clean)) * EBS
     assert abs(float(jnp.std(noise)) / (SIGMA * C) - 1) < 0.03  # not sqrt(k) sigma C
+
+
+def test_default_noise_key_is_secret():
+    """Without a key, fused_clip draws one from the OS: two transforms add different noise, and the
+    key of issue 1/6's replay (jax.random.key(0 + 1), the old default seed's) is not the one used."""
+    model, _, C, grads = setup()
+    params = nnx.state(model, nnx.Param)
+    keys = [jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS).init(params).noise_key for _ in range(2)]
+    data = [np.asarray(jax.random.key_data(k)) for k in keys]
+    assert not np.array_equal(data[0], data[1])
+    assert not any(np.array_equal(d, np.asarray(jax.random.key_data(jax.random.key(1)))) for d in data)
+    with pytest.raises(TypeError, match="key"):
+        jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=5)

@@ -63,7 +63,7 @@ REFERENCE_CONFIGS = (("flat", 0.0), ("per_layer", 0.0), ("flat", SIGMA))
 def single_device(name):
     """{(clipping, sigma): (privatised gradient, params after one DP-Adam step)} on one device, one jit."""
     model, loss_fn, batch = setup(name)
-    dps = [jaxdp.fused_clip(C, sigma, expected_batch_size=EBS, clipping=clipping, seed=7)
+    dps = [jaxdp.fused_clip(C, sigma, expected_batch_size=EBS, clipping=clipping, key=jax.random.key(7))
            for clipping, sigma in REFERENCE_CONFIGS]
 
     @nnx.jit
@@ -87,8 +87,8 @@ def sharded(name, mesh_shape, zero_stage, clipping, sigma, method="bookkeeping")
     model, loss_fn, batch = setup(name)
     mesh = sharding.make_mesh(*mesh_shape)
     step = sharding.ShardedDPStep(loss_fn, adam(), mesh, l2_norm_clip=C, noise_multiplier=sigma,
-                                  expected_batch_size=EBS, seed=7, zero_stage=zero_stage, clipping=clipping,
-                                  method=method)
+                                  expected_batch_size=EBS, key=jax.random.key(7), zero_stage=zero_stage,
+                                  clipping=clipping, method=method)
     state = step.init(model)
     new_state, out = step(state, batch)
     return step, state, new_state, out

@@ -65,7 +65,7 @@ def compiled_step(name, mesh_shape, zero_stage, private):
     """(step, state, compiled program) on the (data, seq) mesh; compiled once, run by the caller if needed."""
     model, batch = setup(name)
     step = sharding.ShardedDPStep(cp_loss, adam(), sharding.make_mesh(*mesh_shape), l2_norm_clip=C,
-                                  noise_multiplier=0.0, expected_batch_size=EBS, seed=7,
+                                  noise_multiplier=0.0, expected_batch_size=EBS, key=jax.random.key(7),
                                   zero_stage=zero_stage, private=private)
     state = step.init(model)
     return step, state, step.lower(state, batch).compile()
@@ -226,7 +226,8 @@ def test_dp_adds_under_context_parallelism_exactly_its_norm_traffic():
 
       reduce-scatter  (S-1)/S x 4 B_loc x sum_l P_l   the per-example partials of every non-embedding
                                                       leaf l (P_l entries, padded to a multiple of S)
-      all-reduce      2 (S-1)/S x 4 B_loc x n_l       one psum of B_loc squared norms per such leaf
+      all-reduce      2 (S-1)/S x 4 B_loc x 2 n_l     one psum of B_loc squared norms and B_loc magnitudes
+                                                      (the rounding bound's sum_t |x_t| |g_t|) per such leaf
       all-gather      (S-1)/S x 4 B_loc x T (D + 1)   the embedding's ids and output gradients
       others          0
 
@@ -240,7 +241,7 @@ def test_dp_adds_under_context_parallelism_exactly_its_norm_traffic():
     padded = sum(-(-params[p].size // S) * S for p in linear)
     expected = dict.fromkeys(collectives.KINDS, 0.0)
     expected["reduce-scatter"] = (S - 1) / S * 4 * b_loc * padded
-    expected["all-reduce"] = 2 * (S - 1) / S * 4 * b_loc * len(linear)
+    expected["all-reduce"] = 2 * (S - 1) / S * 4 * b_loc * 2 * len(linear)
     expected["all-gather"] = (S - 1) / S * 4 * b_loc * T * (model.config.d_model + 1)
     diff = dp_minus_non_private("llama", (data, S), 3)
     for kind in collectives.KINDS:

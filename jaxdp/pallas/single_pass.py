@@ -74,7 +74,7 @@ def _scaled_tile_sum_kernel(tiles_ref, c_ref, acc_ref, out_ref):
     out_ref[...] = lax.fori_loop(0, tiles_ref.shape[0], body, acc_ref[...])
 
 
-def _chunk_pallas(x_BTP, g_BTD, b0, E, acc_PD, clip_factors_fn, extra_sq_E, *, bt, bp, bd,
+def _chunk_pallas(x_BTP, g_BTD, b0, E, acc_PD, clip_factors_fn, extra_sq_E, args_E, *, bt, bp, bd,
                   scratch_dtype, interpret, num_warps):
     _, T, P = x_BTP.shape
     D = g_BTD.shape[-1]
@@ -93,7 +93,7 @@ def _chunk_pallas(x_BTP, g_BTD, b0, E, acc_PD, clip_factors_fn, extra_sq_E, *, b
     )(x_BTP, g_BTD)
     sq_E = jnp.sum(partials, axis=(1, 2))
     group_sq_E = sq_E if extra_sq_E is None else sq_E + extra_sq_E
-    c_E = _common.f32(clip_factors_fn(group_sq_E))
+    c_E = _common.f32(clip_factors_fn(group_sq_E, *args_E))
     acc_PD = pl.pallas_call(
         _scaled_tile_sum_kernel,
         out_shape=_common.out_struct(acc_PD.shape, jnp.float32, tiles, c_E, acc_PD),
@@ -110,7 +110,7 @@ def _chunk_pallas(x_BTP, g_BTD, b0, E, acc_PD, clip_factors_fn, extra_sq_E, *, b
 
 def linear_fused_clipped_sum(x_BTP: jax.Array, g_BTD: jax.Array,
                              clip_factors_fn: Callable[[jax.Array], jax.Array], *,
-                             extra_sq_norms_B: jax.Array | None = None,
+                             extra_sq_norms_B: jax.Array | None = None, factor_args_B: tuple = (),
                              chunk_size: int = DEFAULT_CHUNK_SIZE, implementation: str = "pallas",
                              block_t: int = BLOCK_T, block_p: int = BLOCK_P, block_d: int = BLOCK_D,
                              scratch_dtype=jnp.float32, interpret: bool | None = None,
@@ -124,6 +124,8 @@ def linear_fused_clipped_sum(x_BTP: jax.Array, g_BTD: jax.Array,
         0 for examples to drop (e.g. non-finite norms): those contribute exact zeros.
       extra_sq_norms_B: squared norms (B,) of the group's other parameters
         (a bias), added before `clip_factors_fn`.
+      factor_args_B: further per-example arrays (B, ...); each chunk calls
+        `clip_factors_fn(group_sq_E, *[a[chunk] for a in factor_args_B])`.
       chunk_size: E, examples whose tiles share the bounded scratch (E P D floats).
       implementation: "pallas" or "xla" (instantiate per chunk in XLA).
       scratch_dtype: float32 (exact) or bfloat16 (half the scratch bytes).
@@ -134,7 +136,7 @@ def linear_fused_clipped_sum(x_BTP: jax.Array, g_BTD: jax.Array,
     _common.check_implementation(implementation)
     if implementation == "xla":
         return linear_fused_clipped_sum_reference(x_BTP, g_BTD, clip_factors_fn,
-                                                  extra_sq_norms_B=extra_sq_norms_B)
+                                                  extra_sq_norms_B=extra_sq_norms_B, factor_args_B=factor_args_B)
     B, T, P = x_BTP.shape
     D = g_BTD.shape[-1]
     bt, bp, bd = _common.block(T, block_t), _common.block(P, block_p), _common.block(D, block_d)
@@ -146,7 +148,8 @@ def linear_fused_clipped_sum(x_BTP: jax.Array, g_BTD: jax.Array,
     for b0 in range(0, B, chunk_size):  # static chunks: ceil(B / E) launch pairs
         E = min(chunk_size, B - b0)
         extra = None if extra_sq_norms_B is None else _common.f32(extra_sq_norms_B)[b0:b0 + E]
-        acc_PD, sq_E = _chunk_pallas(x_BTP, g_BTD, b0, E, acc_PD, clip_factors_fn, extra,
+        args = tuple(a[b0:b0 + E] for a in factor_args_B)
+        acc_PD, sq_E = _chunk_pallas(x_BTP, g_BTD, b0, E, acc_PD, clip_factors_fn, extra, args,
                                      bt=bt, bp=bp, bd=bd, scratch_dtype=scratch_dtype,
                                      interpret=interpret, num_warps=num_warps)
         sq.append(sq_E)
@@ -154,13 +157,13 @@ def linear_fused_clipped_sum(x_BTP: jax.Array, g_BTD: jax.Array,
 
 
 def linear_fused_clipped_sum_reference(x_BTP, g_BTD, clip_factors_fn, *, extra_sq_norms_B=None,
-                                       **unused) -> tuple[jax.Array, jax.Array]:
+                                       factor_args_B=(), **unused) -> tuple[jax.Array, jax.Array]:
     """Plain jnp, float32: instantiate every G_b, norms, factors, masked weighted sum."""
     del unused
     G_BPD = jnp.einsum("btp,btd->bpd", _common.f32(x_BTP), _common.f32(g_BTD),
                        precision=lax.Precision.HIGHEST)
     sq_B = jnp.sum(G_BPD * G_BPD, axis=(1, 2))
     group_sq_B = sq_B if extra_sq_norms_B is None else sq_B + _common.f32(extra_sq_norms_B)
-    c_B = _common.f32(clip_factors_fn(group_sq_B))
+    c_B = _common.f32(clip_factors_fn(group_sq_B, *factor_args_B))
     scaled = jnp.where((c_B != 0)[:, None, None], G_BPD * c_B[:, None, None], 0.0)
     return jnp.sum(scaled, axis=0), sq_B

@@ -9,7 +9,8 @@ per-example gradient `G_b^s = x_{b,s}^T g_{b,s}`; the true one is
 - Linear / dense terms (input-stationary, as LongShield): every shard forms
   its partial `G_b^s` for a chunk of examples, `psum_scatter`s it over `seq`
   (each shard then owns 1/S of the exact `G_b`), squares its slice, and the
-  (B,) partial squared norms are `psum`-ed. No device holds a full per-example
+  (B,) partial squared norms are `psum`-ed, together with the (B,) partial
+  magnitudes sum_t |x_t| |g_t| of `jaxdp.norms.rounding_bound`. No device holds a full per-example
   gradient; the traffic is B * params / S per device per layer, independent
   of T. (The ghost alternative needs the cross-shard T x T Gram matrices:
   an all-gather of x and g, T-proportional, and S-fold redundant FLOPs.)
@@ -50,7 +51,8 @@ def _slice_term(term, start, stop):
 
 
 def _partial_sq_norms(terms, axis: str, chunk_size: int) -> jax.Array:
-    """|sum of partial terms|^2 per example: partials instantiated per chunk, reduce-scattered, squared, psum-ed."""
+    """This shard's part of |sum of partial terms|^2 per example (psum over `axis` to complete it):
+    partials instantiated per chunk, reduce-scattered, squared."""
     S = jax.lax.axis_size(axis)
     B = terms[0].batch_size
     parts = []
@@ -63,20 +65,30 @@ def _partial_sq_norms(terms, axis: str, chunk_size: int) -> jax.Array:
             flat = jnp.pad(flat, ((0, 0), (0, pad)))
         mine = jax.lax.psum_scatter(flat, axis, scatter_dimension=1, tiled=True)
         parts.append(jnp.sum(mine * mine, axis=1))
-    return jax.lax.psum(jnp.concatenate(parts), axis)
+    return jnp.concatenate(parts)
 
 
 def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
-                  chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE) -> jax.Array:
-    """Exact per-example squared norms (B,) of a gradient whose terms are sequence-shard partials."""
+                  chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
+    """Exact per-example squared norms (B,) of a gradient whose terms are sequence-shard partials,
+    and their rounding bound (B,) (`jaxdp.norms.rounding_bound` of the whole sequence)."""
     partials = [t for t in grad.terms if not isinstance(t, EmbedTerm)]
     lookups = [_gathered_lookup(t, axis) for t in grad.terms if isinstance(t, EmbedTerm)]
     kw = dict(chunk_size=chunk_size)
-    total = _partial_sq_norms(partials, axis, chunk_size) if partials else 0.0
+    # A_b (the rounding bound's magnitude) is a sum over tokens: the partial terms' shares add over
+    # the shards, in the same psum as the squared-norm parts.
+    magnitude = sum(norms_lib.term_magnitude(t) for t in lookups)
+    total = 0.0
+    if partials:
+        local = jnp.stack([_partial_sq_norms(partials, axis, chunk_size),
+                           sum(norms_lib.term_magnitude(t) for t in partials)])
+        total, partial_magnitude = jax.lax.psum(local, axis)
+        magnitude = magnitude + partial_magnitude
     if lookups:
         total = total + norms_lib.squared_norms(FactoredGrad(tuple(lookups)), strategy, **kw)
     cross = [norms_lib.pair_inner(p, e, strategy, **kw) for p in partials for e in lookups]
     if cross:
         total = total + 2 * jax.lax.psum(sum(cross), axis)
-    return total
+    bound = norms_lib.rounding_bound(grad, magnitude, seq_shards=jax.lax.axis_size(axis))
+    return total, bound
 

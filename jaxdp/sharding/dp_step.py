@@ -9,18 +9,19 @@ One jitted step over a (data, seq) mesh:
 2. The clipped sums are summed over the mesh: `psum` (ZeRO 0/1), or a
    `psum_scatter` over `data` along each tensor's ZeRO dimension (ZeRO 2/3),
    after a `psum` over `seq`.
-3. Gaussian noise N(0, sigma^2 C^2), once per logical batch, from the step's
-   key exactly as `jaxdp.fused_clip` draws it (`split(key)`, one key per
-   parameter leaf): a replicated gradient gets the SAME noise as one device;
-   a reduce-scattered one draws its shard from `fold_in(leaf_key, shard)`,
-   so no device generates (or holds) the full noise tensor. Then / expected
+3. Gaussian noise of std `jaxdp.noise.noise_std(C, sigma)`, once per logical
+   batch, from the step's key through `jaxdp.noise` exactly as
+   `jaxdp.fused_clip` draws it (`split_step_key`, one key per parameter
+   leaf): a replicated gradient gets the SAME noise as one device; a
+   reduce-scattered one draws its shard from `fold_in(leaf_key, shard)`, so
+   no device generates (or holds) the full noise tensor. Then / expected
    batch size.
 4. The optax optimizer under `jax.jit` with `NamedSharding`s: ZeRO >= 1
    shards its state over `data`; ZeRO 3 keeps parameters sharded and
    all-gathers them inside the shard_map for use.
 
 Equivalence: with sigma = 0 the step equals the single-device step of
-`optax.chain(jaxdp.fused_clip(..., seed=s), tx)` up to float summation order;
+`optax.chain(jaxdp.fused_clip(..., key=k), tx)` up to float summation order;
 with sigma > 0 and ZeRO 0/1 (and replicated leaves under 2/3) it adds the
 same noise. The shard_map runs with `check_vma=True`: `per_example_grads`
 creates its zero slots varying over the same manual axes as the activations
@@ -62,6 +63,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdp import clipping as clipping_lib
+from jaxdp import noise as noise_lib
 from jaxdp import norms as norms_lib
 from jaxdp.fused_clip import clipped_aggregate
 from jaxdp.per_example import per_example_grads
@@ -103,11 +105,14 @@ class ShardedDPStep:
     (the mean loss when the batch holds `expected_batch_size` real examples),
     by ordinary autodiff; `l2_norm_clip`, `noise_multiplier` and the clipping
     options are then ignored. It is not differentially private.
+
+    `key`: the noise PRNG key of `init`'s state; None (the default) draws one
+    from the operating system's entropy (`jaxdp.noise.secret_key`).
     """
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh, *,
                  l2_norm_clip: float, noise_multiplier: float, expected_batch_size: float,
-                 seed: int = 0, zero_stage: int = 0, clipping="flat", clip_fn: str = "abadi",
+                 key: jax.Array | None = None, zero_stage: int = 0, clipping="flat", clip_fn: str = "abadi",
                  gamma: float = 0.01, strategy: str = "auto", group_weights=None,
                  chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE, private: bool = True,
                  method: str = "bookkeeping"):
@@ -129,8 +134,9 @@ class ShardedDPStep:
         norms_lib.check_strategy(strategy)
         check_mesh_strategy(strategy)
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
-        self.zero_stage, self.seed, self.private, self.method = zero_stage, seed, private, method
-        self.noise_std = noise_multiplier * l2_norm_clip if private else 0.0
+        self.zero_stage, self.private, self.method = zero_stage, private, method
+        self.key = noise_lib.check_key(key, "ShardedDPStep")
+        self.noise_std = noise_lib.noise_std(l2_norm_clip, noise_multiplier) if private else 0.0
         self.expected_batch_size = expected_batch_size
         self.clip_kwargs = dict(clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,
                                 group_weights=group_weights, chunk_size=chunk_size)
@@ -165,7 +171,7 @@ class ShardedDPStep:
     def init(self, model) -> ShardedDPState:
         params, rest = self._layout(model)
         opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
-        state = ShardedDPState(params, rest, opt_state, jax.random.key(self.seed))
+        state = ShardedDPState(params, rest, opt_state, self.key)
         return jax.device_put(state, self.state_shardings)
 
     def update_model(self, model, state: ShardedDPState) -> None:
@@ -196,14 +202,15 @@ class ShardedDPStep:
         dims = jax.tree.leaves(self.grad_dims)
         out = []
         for s, d, key in zip(leaves, dims, leaf_keys):
+            shard = None
             if d < 0:  # one all-reduce over the whole mesh
                 s = jax.lax.psum(s, (DATA, SEQ) if cp_axis is not None else DATA)
             else:      # seq partials summed, then reduce-scattered over data
                 s = jax.lax.psum(s, SEQ) if cp_axis is not None else s
                 s = jax.lax.psum_scatter(s, DATA, scatter_dimension=d, tiled=True)
-                key = jax.random.fold_in(key, jax.lax.axis_index(DATA))
+                shard = jax.lax.axis_index(DATA)
             if self.noise_std > 0:
-                s = s + self.noise_std * jax.random.normal(key, s.shape, s.dtype)
+                s = s + noise_lib.gaussian(key, s.shape, s.dtype, self.noise_std, shard=shard)
             out.append(s / self.expected_batch_size)
         return losses, jax.tree.unflatten(treedef, out)
 
@@ -229,9 +236,8 @@ class ShardedDPStep:
         return losses, grads
 
     def _step(self, state: ShardedDPState, batch):
-        key, noise_key = jax.random.split(state.noise_key)
         num_leaves = len(jax.tree.leaves(state.params))
-        leaf_keys = list(jax.random.split(noise_key, num_leaves))
+        key, leaf_keys = noise_lib.split_step_key(state.noise_key, num_leaves)
         batch_specs = jax.tree.map(self.batch_spec, batch)
         local = jax.shard_map(
             self._local, mesh=self.mesh,

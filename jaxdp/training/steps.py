@@ -69,7 +69,7 @@ def _make_tx(k, learning_rate, min_lr_ratio, warmup_steps, steps, b1, b2, weight
         return inner
     return optax.chain(
         fused_clip(l2_norm_clip, noise_multiplier, expected_batch_size=expected_batch_size,
-                   seed=seed, clipping=clipping, clip_fn=clip_fn, strategy=strategy,
+                   key=jax.random.key(seed), clipping=clipping, clip_fn=clip_fn, strategy=strategy,
                    accumulation_steps=k),
         inner)
 
@@ -143,7 +143,7 @@ class ShardedTrainer:
                          dp.clipping, dp.clip_fn, dp.strategy)
         self.step = sharding.ShardedDPStep(
             cp_lm_losses, inner, mesh, l2_norm_clip=dp.l2_norm_clip, noise_multiplier=float(noise_multiplier),
-            expected_batch_size=float(config.batch_size), seed=config.seed + 1,
+            expected_batch_size=float(config.batch_size), key=jax.random.key(config.seed + 1),
             zero_stage=config.mesh.zero_stage, clipping=dp.clipping, clip_fn=dp.clip_fn, strategy=dp.strategy,
             method=dp.method)
         self.load()

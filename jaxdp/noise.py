@@ -1,0 +1,126 @@
+"""Gaussian noise for DP-SGD, and the secret randomness it rests on.
+
+The (epsilon, delta) guarantee of DP-SGD assumes the noise is secret: anyone
+who knows the noise key and every other record can replay the clipped sum
+and subtract the noise exactly. The same holds for the Poisson sampling
+draws. So, everywhere in jaxdp:
+
+- Keys and seeds come from the operating system's entropy (`secrets`) unless
+  the user pins one: `fused_clip(key=None)`, `ShardedDPStep(key=None)`,
+  `PoissonSampler(seed=None)` and the pretraining job's `config.seed=None`
+  all call `secret_seed()`. A pinned seed reproduces a run bit for bit, and
+  the guarantee then assumes that seed is secret (as Opacus' `secure_mode`).
+- One root seed feeds every use of randomness through `derive_seed(root,
+  domain, ...)`: a SHA-256 of the root and the domain path, so the noise, the
+  sampler's draw of step s (attempt a), the model's initialisation and the
+  samples a run writes are independent streams; no two of them can share a
+  state (unlike `np.random.default_rng([seed, 0, 0])`, which NumPy seeds
+  exactly like `default_rng(seed)`: trailing zeros are dropped).
+- The pretraining job keeps its root seed in the checkpoint only
+  (`jaxdp.training`), never in a file a user would share.
+
+Noise, once per logical batch: `split_step_key(key, n)` splits the state's
+key into the next state key and one key per parameter leaf; a leaf's noise is
+`gaussian(leaf_key, shape, dtype, std)`, or, when the leaf is reduce-scattered
+over devices (ZeRO 2/3), each shard draws its own block from
+`fold_in(leaf_key, shard)` so no device generates the full noise tensor.
+`add_noise` is the single-device composition; `jaxdp.fused_clip` and
+`jaxdp.sharding.ShardedDPStep` both draw through these functions, so a
+replicated leaf gets exactly the same noise on a mesh as on one device.
+
+The noise standard deviation is `noise_std(l2_norm_clip, noise_multiplier)`:
+sigma times the sensitivity the clipping guarantees, which is C times
+`jaxdp.clipping.SENSITIVITY_FACTOR` (a 1.2e-4 relative allowance for the
+rounding error of per-example norms; see `jaxdp.clipping`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdp.clipping import SENSITIVITY_FACTOR
+
+# Domains of the job's randomness (`derive_seed(root, DOMAIN, ...)`).
+NOISE = "noise"
+SAMPLER = "sampler"
+INIT = "init"
+SAMPLES = "samples"
+
+_SEED_BITS = 128
+
+
+def secret_seed() -> int:
+    """A 128-bit seed from the operating system's entropy source."""
+    return secrets.randbits(_SEED_BITS)
+
+
+def derive_seed(root: int, *path: str | int) -> int:
+    """A 256-bit seed for the stream `path` of `root` (SHA-256; distinct paths give independent seeds)."""
+    h = hashlib.sha256(b"jaxdp.noise.derive_seed/v1")
+    for part in (int(root),) + path:
+        if isinstance(part, (bool, np.bool_)) or not isinstance(part, (str, int, np.integer)):
+            raise TypeError(f"derive_seed path parts must be str or int, got {part!r}")
+        tagged = f"{'s' if isinstance(part, str) else 'i'}:{part}".encode()
+        h.update(len(tagged).to_bytes(8, "little") + tagged)
+    return int.from_bytes(h.digest(), "little")
+
+
+def key_from_seed(seed: int) -> jax.Array:
+    """A typed JAX PRNG key (the default implementation) whose data are words of `seed`.
+
+    Unlike `jax.random.key(seed)`, every bit of the key comes from the seed:
+    a 256-bit seed fills the key data (64 bits for threefry2x32).
+    """
+    shape = jax.random.key_data(jax.random.key(0)).shape
+    words = [(int(seed) >> (32 * i)) & 0xFFFFFFFF for i in range(int(np.prod(shape)))]
+    return jax.random.wrap_key_data(np.asarray(words, np.uint32).reshape(shape))
+
+
+def secret_key() -> jax.Array:
+    """A PRNG key from the operating system's entropy source."""
+    return key_from_seed(secrets.randbits(256))
+
+
+def check_key(key, owner: str) -> jax.Array:
+    """`key` as a typed PRNG key, or a fresh secret key for None; raises TypeError naming `owner` otherwise."""
+    if key is None:
+        return secret_key()
+    if isinstance(key, (int, np.integer)):
+        raise TypeError(f"{owner}: key must be a jax.random.key(...) or None (a secret key from the "
+                        f"operating system), got the integer {key!r}; pass key=jax.random.key({key}) to pin it")
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)  # a raw uint32 key (jax.random.PRNGKey)
+    return key
+
+
+def noise_std(l2_norm_clip: float, noise_multiplier: float) -> float:
+    """Standard deviation of the Gaussian noise: sigma times the guaranteed sensitivity C * SENSITIVITY_FACTOR."""
+    return float(noise_multiplier) * float(l2_norm_clip) * SENSITIVITY_FACTOR
+
+
+def split_step_key(key: jax.Array, num_leaves: int) -> tuple[jax.Array, list[jax.Array]]:
+    """(the next state key, one noise key per leaf) for one logical batch."""
+    key, noise_key = jax.random.split(key)
+    return key, list(jax.random.split(noise_key, num_leaves))
+
+
+def gaussian(leaf_key: jax.Array, shape, dtype, std: float, *, shard: jax.Array | None = None) -> jax.Array:
+    """N(0, std^2) noise for one leaf; `shard`: this device's block of a reduce-scattered leaf."""
+    if shard is not None:
+        leaf_key = jax.random.fold_in(leaf_key, shard)
+    return std * jax.random.normal(leaf_key, shape, dtype)
+
+
+def add_noise(tree, key: jax.Array, std: float):
+    """(next key, `tree` + independent N(0, std^2) noise on every leaf); std = 0 adds nothing."""
+    leaves, treedef = jax.tree.flatten(tree)
+    key, leaf_keys = split_step_key(key, len(leaves))
+    if std > 0:
+        leaves = [s + gaussian(k, s.shape, s.dtype, std) for s, k in zip(leaves, leaf_keys)]
+    return key, jax.tree.unflatten(treedef, leaves)

@@ -1,0 +1,174 @@
+"""Cancelling per-example gradients cannot slip past the clip: every strategy, float32 and bfloat16.
+
+The construction of the adversarial review (issue "1/6 Privacy holes", item 4):
+an example of two tokens with x_2 = x_1 and g_2 = -g_1 + small, so its
+gradient G = x_1 small^T is tiny next to its parts. A ghost norm (sum of Gram
+products of size |x|^2 |g|^2) then comes out 0 or negative: on 9428dda,
+min(1, C / 0) = 1 let examples of norm 8 C through unclipped and others were
+silently dropped as NaN. Each of the 300 trials is one example with its own
+scale, so the true norm falls anywhere between 1e-3 C and 1e3 C; its released
+contribution (the clipped sum of a one-example batch) must not be dropped and
+must stay within
+
+- C (1 + 1e-6) wherever the cancellation is severe (|G| < |parts| / 100:
+  the bound of `jaxdp.norms.rounding_bound` is added);
+- C' (1 + 1e-6) always, C' = C * SENSITIVITY_FACTOR = C sqrt(1 + 2**-12), the
+  sensitivity the noise is calibrated to (`jaxdp.noise.noise_std`). A mildly
+  cancelling example (|G| ~ |parts| / 10) can have a ghost norm a few 1e-6
+  low (measured: up to 8.6e-6) while its rounding bound is still below
+  2**-12 of its norm, so the guard leaves it alone, as it leaves every
+  ordinary example alone (the reference-equality tests hold at 1e-5).
+"""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdp
+from jaxdp import clipping as clipping_lib
+from jaxdp.terms import EmbedTerm, FactoredGrad, LinearTerm
+
+TRIALS = 300
+C = 1.0
+STRATEGIES = ["ghost", "instantiate", "auto", "pallas"]
+
+
+SEVERE = 100.0  # |parts| / |G| above which the cancellation is "severe"
+
+
+def _scales(rng, n):
+    return 10.0 ** rng.uniform(-3, 3, n)
+
+
+def cancelling_linear(seed, dtype, P=64, D=96):
+    """(x (N, 2, P), g (N, 2, D)) with x_2 = x_1, g_2 = -g_1 + small, |small| / |g_1| in [1e-7, 1]."""
+    rng = np.random.default_rng(seed)
+    x1 = rng.standard_normal((TRIALS, P))
+    g1 = rng.standard_normal((TRIALS, D))
+    small = rng.standard_normal((TRIALS, D)) * 10.0 ** rng.uniform(-7, 0, (TRIALS, 1))
+    x = np.stack([x1, x1], axis=1)
+    g = np.stack([g1, -g1 + small], axis=1)
+    # Scale so that |G| = |x_1| |small| lands in [1e-3, 1e3] C.
+    g *= (_scales(rng, TRIALS) / (np.linalg.norm(x1, axis=1) * np.linalg.norm(small, axis=1)))[:, None, None]
+    return jnp.asarray(x, dtype), jnp.asarray(g, dtype)
+
+
+def cancelling_tied(seed, dtype, V=16, D=32):
+    """A tied embedding whose lookup and head terms cancel: lookup row k gets v, the head -v + small."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, V, (TRIALS, 1))
+    v = rng.standard_normal((TRIALS, 1, D))
+    a = 10.0 ** rng.uniform(-1, 1, (TRIALS, 1, 1))
+    dlogits = 1e-4 * rng.standard_normal((TRIALS, 1, V))
+    np.put_along_axis(dlogits, ids[:, :, None], a, axis=2)
+    small = rng.standard_normal((TRIALS, 1, D)) * 10.0 ** rng.uniform(-7, 0, (TRIALS, 1, 1))
+    h = (-v + small) / a
+    scale = (_scales(rng, TRIALS) / np.linalg.norm(small, axis=(1, 2)))[:, None, None]
+    return (jnp.asarray(ids, jnp.int32), jnp.asarray(v * scale, dtype),
+            jnp.asarray(dlogits, dtype), jnp.asarray(h * scale, dtype))
+
+
+def true_linear_norms(x, g):
+    """(|G| of each trial, |G| / A: A = sum_t |x_t| |g_t| the size of its parts), in float64."""
+    x64, g64 = np.asarray(x, np.float64), np.asarray(g, np.float64)
+    norms = np.linalg.norm(np.einsum("ntp,ntd->npd", x64, g64), axis=(1, 2))
+    parts = np.sum(np.linalg.norm(x64, axis=-1) * np.linalg.norm(g64, axis=-1), axis=1)
+    return norms, norms / parts
+
+
+def true_tied_norms(ids, v, dlogits, h):
+    v64, l64, h64 = (np.asarray(a, np.float64) for a in (v, dlogits, h))
+    G = np.einsum("ntv,ntd->nvd", l64, h64)
+    np.add.at(G, (np.arange(len(ids))[:, None], np.asarray(ids)), v64)
+    norms = np.linalg.norm(G, axis=(1, 2))
+    parts = (np.linalg.norm(v64, axis=(1, 2))
+             + np.sum(np.linalg.norm(l64, axis=-1) * np.linalg.norm(h64, axis=-1), axis=1))
+    return norms, norms / parts
+
+
+def _contributions(arrays, *, strategy, clipping, kind):
+    """|clipped sum| of each trial's one-example batch (vmapped over trials), and its guarded norm."""
+    def one(*a):
+        if kind == "linear":
+            x, g = a
+            grads = {"w": FactoredGrad((LinearTerm(x[None], g[None]),))}
+        elif kind == "linear_pair":  # a second, small linear layer in the group: flat takes the two-kernel path
+            x, g = a
+            grads = {"w": FactoredGrad((LinearTerm(x[None], g[None]),)),
+                     "u": FactoredGrad((LinearTerm(x[None, :, :8], 1e-3 * g[None, :, :8]),))}
+        else:
+            ids, v, dlogits, h = a
+            grads = {"wte": FactoredGrad((EmbedTerm(ids[None], v[None], dlogits.shape[-1]),
+                                          LinearTerm(dlogits[None], h[None])))}
+        sums, norms = jaxdp.clipped_aggregate(grads, C, clipping=clipping, strategy=strategy)
+        sq = sum(jnp.sum(jnp.square(s.astype(jnp.float32))) for s in jax.tree.leaves(sums))
+        return jnp.sqrt(sq), jnp.stack([n[0] for n in norms.values()])
+    return jax.vmap(one)(*arrays)
+
+
+contributions = jax.jit(_contributions, static_argnames=("strategy", "clipping", "kind"))
+
+
+CASES = [("linear", "flat"), ("linear_pair", "flat"), ("linear", "per_layer"), ("tied", "flat")]
+
+
+def _check(kind, clipping, strategy, dtype, seed, contributions_fn=contributions):
+    if kind == "tied":
+        arrays = cancelling_tied(seed, dtype)
+        true, ratio = true_tied_norms(*arrays)
+    else:
+        arrays = cancelling_linear(seed, dtype)
+        true, ratio = true_linear_norms(*arrays)
+    out, _ = contributions_fn(arrays, strategy=strategy, clipping=clipping, kind=kind)
+    out = np.asarray(out, np.float64)
+    assert np.all(np.isfinite(out))
+    severe = ratio < 1 / SEVERE
+    over = (out.max() / C - 1, out[severe].max() / C - 1)
+    dropped = int(np.sum((out == 0) & (true > 0)))
+    return over, dropped, true, severe
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("kind,clipping", CASES, ids=[f"{k}-{c}" for k, c in CASES])
+def test_cancelling_examples_are_clipped(kind, clipping, strategy, dtype):
+    (over, over_severe), dropped, true, severe = _check(
+        kind, clipping, strategy, dtype, seed=zlib.crc32(f"{kind}{clipping}".encode()) % 1000)
+    assert (true > C).sum() > TRIALS // 4 and (true < C).sum() > TRIALS // 4  # the trials straddle C
+    assert severe.sum() > TRIALS // 2
+    assert over_severe <= 1e-6, f"a severely cancelling example reached C (1 + {over_severe:.3g})"
+    assert (1 + over) <= clipping_lib.SENSITIVITY_FACTOR * (1 + 1e-6), f"a contribution reached C (1 + {over:.3g})"
+    assert dropped == 0, f"{dropped} examples silently dropped"
+
+
+def test_planted_error_is_caught(monkeypatch):
+    """Clipping from the bare computed norm (the code before the guard) lets cancelling examples through."""
+    monkeypatch.setattr(clipping_lib, "guarded_norms", lambda sq, bound: jnp.sqrt(sq))
+    # A new function object, so that jax traces it afresh with the patch (a jit of `_contributions` itself
+    # would reuse the trace cached by the tests above).
+    fresh = jax.jit(lambda arrays, **kw: _contributions(arrays, **kw), static_argnames=("strategy", "clipping", "kind"))
+    (over, _), dropped, _, _ = _check("linear", "flat", "ghost", jnp.float32, seed=3, contributions_fn=fresh)
+    assert over > 1e-3 or dropped > 0
+
+
+def test_guard_leaves_ordinary_norms_alone():
+    """Without cancellation the bound is below delta * norm^2: the guarded norm is the computed one."""
+    x = jax.random.normal(jax.random.key(0), (8, 16, 64))
+    g = jax.random.normal(jax.random.key(1), (8, 16, 96))
+    grad = FactoredGrad((LinearTerm(x, g),))
+    sq = jaxdp.squared_norms(grad, "ghost")
+    bound = jaxdp.norms.rounding_bound(grad)
+    assert float(jnp.max(bound / sq)) < clipping_lib.ROUNDING_DELTA
+    np.testing.assert_array_equal(clipping_lib.guarded_norms(sq, bound), jnp.sqrt(sq))
+
+
+def test_guarded_norm_bounds_the_true_norm():
+    """sqrt(true^2) <= guarded * SENSITIVITY_FACTOR on the cancelling construction (bound check, no clip)."""
+    x, g = cancelling_linear(7, jnp.float32)
+    grad = FactoredGrad((LinearTerm(x, g),))
+    for strategy in ("ghost", "instantiate"):
+        guarded = clipping_lib.guarded_norms(jaxdp.squared_norms(grad, strategy), jaxdp.norms.rounding_bound(grad))
+        assert np.all(true_linear_norms(x, g)[0] <= np.asarray(guarded, np.float64) * clipping_lib.SENSITIVITY_FACTOR)
