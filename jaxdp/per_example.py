@@ -37,7 +37,14 @@ LossFn = Callable[[nnx.Module, Any], jax.Array]
 
 
 def _label_layers(model: nnx.Module) -> None:
-    """Gives every DP layer its state path (once; a static attribute)."""
+    """Gives every DP layer of `model` its state path (a static attribute, so that it survives the
+    split / merge of `nnx.remat`).
+
+    Only ever applied to the model `discover` merges inside the traced
+    function, never to the caller's model: labelling the caller's model inside
+    a jitted step changed its graphdef after the first call, and the step
+    compiled a second time (issue "5/6", item 4).
+    """
     for path, node in nnx.iter_graph(model):
         if isinstance(node, DP_LAYERS) and node.dp_path != tuple(path):
             node.dp_path = tuple(path)
@@ -116,11 +123,11 @@ def discover(loss_fn: LossFn, model: nnx.Module, batch):
     tap key to its `_tape.Use`, `axes` are the shard_map axes the batch varies
     over, and `losses_of(params, rest) -> (losses, new rest)` runs the model.
     """
-    _label_layers(model)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def losses_of(params, rest):
         model = nnx.merge(graphdef, params, rest)
+        _label_layers(model)
         losses = loss_fn(model, batch)
         return losses, nnx.state(model, nnx.Not(nnx.Param))
 
