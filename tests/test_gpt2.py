@@ -58,3 +58,17 @@ def test_bad_config(kwargs, name):
         GPT2Config(**kwargs)
     with pytest.raises(ValueError, match="preset"):
         GPT2Config.preset("huge")
+
+
+def test_attention_implementation_choice(monkeypatch):
+    """"auto" is cuDNN's fused attention on a GPU for bf16 / f16 heads cuDNN takes, XLA otherwise."""
+    from jaxdp.models import attention
+    assert attention.resolve("auto", jnp.bfloat16, 64) == ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert attention.resolve("auto", jnp.bfloat16, 64) == "cudnn"
+    assert attention.resolve("auto", jnp.float16, 128) == "cudnn"
+    assert attention.resolve("auto", jnp.float32, 64) == "xla"     # cuDNN's kernel takes bf16 / f16 only
+    assert attention.resolve("auto", jnp.bfloat16, 256) == "xla"   # head size beyond cuDNN's
+    assert attention.resolve("xla", jnp.bfloat16, 64) == "xla"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        GPT2Config.preset("tiny", attention="flash")

@@ -1,7 +1,8 @@
 """GPT-2 (Radford et al. 2019) from jaxdp layers.
 
 Tied token embedding / output head, learned positions, pre-LayerNorm blocks,
-GELU MLP, causal attention through `jax.nn.dot_product_attention`. Parameters
+GELU MLP, causal attention through `jaxdp.models.attention` (cuDNN's fused
+attention on GPU, XLA on CPU; `GPT2Config.attention`). Parameters
 are float32; `dtype="bfloat16"` computes in bf16. Every parameter has a
 per-example gradient rule, so `jaxdp.per_example_grads` needs no fallback.
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp import nn
+from jaxdp.models import attention
 from jaxdp.models.remat import remat_block, remat_policy
 from jaxdp.sharding import context
 
@@ -46,6 +48,7 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     dtype: str = "float32"       # compute dtype: "float32" | "bfloat16"; parameters stay float32
     remat: bool | str = "none"   # per-block activation checkpointing: "none" | "dots" | "full" (True: "full")
+    attention: str = "auto"      # "auto" (cuDNN on GPU for bf16, XLA otherwise) | "xla" | "cudnn"
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -56,6 +59,7 @@ class GPT2Config:
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"GPT2Config.dtype must be 'float32', 'bfloat16' or 'float64', got {self.dtype!r}")
         remat_policy(self.remat)  # raises on an unknown policy
+        attention.check_implementation(self.attention)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPT2Config":
@@ -79,6 +83,7 @@ class Attention(nnx.Module):
         d, dtype = config.d_model, jnp.dtype(config.dtype)
         proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * config.n_layer))
         self.n_head = config.n_head
+        self.implementation = config.attention
         self.c_attn = nn.Linear(d, 3 * d, dtype=dtype, rngs=rngs)
         self.c_proj = nn.Linear(d, d, dtype=dtype, kernel_init=proj_init, rngs=rngs)
 
@@ -87,13 +92,7 @@ class Attention(nnx.Module):
         H = D // self.n_head
         q, k, v = jnp.split(self.c_attn(x_BTD), 3, axis=-1)
         q_BTNH, k_BTNH, v_BTNH = (a.reshape(B, T, self.n_head, H) for a in (q, k, v))
-        if context.seq_axis() is None:
-            y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
-        else:
-            # Context parallel: keys / values of every shard, causal on global positions.
-            k_BSNH, v_BSNH = context.gather_sequence(k_BTNH), context.gather_sequence(v_BTNH)
-            mask_TS = positions_T[:, None] >= jnp.arange(k_BSNH.shape[1])[None, :]
-            y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSNH, v_BSNH, mask=mask_TS[None, None])
+        y_BTNH = attention.causal_attention(q_BTNH, k_BTNH, v_BTNH, positions_T, implementation=self.implementation)
         return self.c_proj(y_BTNH.reshape(B, T, D))
 
 

@@ -2,7 +2,8 @@
 
 Pre-RMSNorm blocks, rotary position embeddings (RoPE, rotate-half layout as
 the Hugging Face checkpoints, with Llama 3.1 frequency scaling), SwiGLU MLP,
-grouped-query attention through `jax.nn.dot_product_attention`, no biases.
+grouped-query attention through `jaxdp.models.attention` (cuDNN's fused
+attention on GPU, XLA on CPU; `LlamaConfig.attention`), no biases.
 The output head is a separate `jaxdp.nn.Linear` (untied) unless
 `tie_embeddings=True` (Llama 3.2 1B / 3B tie it), in which case the token
 embedding's `attend` is the head. Every parameter has a per-example gradient
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp import nn
+from jaxdp.models import attention
 from jaxdp.models.remat import remat_block, remat_policy
 from jaxdp.sharding import context
 
@@ -51,6 +53,7 @@ class LlamaConfig:
     tie_embeddings: bool = True
     dtype: str = "float32"         # compute dtype: "float32" | "bfloat16"; parameters stay float32
     remat: bool | str = "none"     # per-block activation checkpointing: "none" | "dots" | "full" (True: "full")
+    attention: str = "auto"        # "auto" (cuDNN on GPU for bf16, XLA otherwise) | "xla" | "cudnn"
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
@@ -66,6 +69,7 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta}")
         if self.rope_scaling is not None and self.rope_scaling < 1:
             raise ValueError(f"LlamaConfig.rope_scaling must be None or >= 1, got {self.rope_scaling}")
+        attention.check_implementation(self.attention)
         if self.rms_norm_eps <= 0:
             raise ValueError(f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.dtype not in ("float32", "bfloat16", "float64"):
@@ -125,6 +129,7 @@ class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         d, dtype, H = config.d_model, jnp.dtype(config.dtype), config.head_dim
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, H
+        self.implementation = config.attention
         linear = lambda i, o: nn.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
         self.q_proj = linear(d, config.n_head * H)
         self.k_proj = linear(d, config.n_kv_head * H)
@@ -137,14 +142,7 @@ class Attention(nnx.Module):
         q_BTNH = apply_rope(self.q_proj(x_BTD).reshape(B, T, self.n_head, self.head_dim), positions_T, inv_freq)
         k_BTKH = apply_rope(self.k_proj(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim), positions_T, inv_freq)
         v_BTKH = self.v_proj(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
-        if context.seq_axis() is None:
-            y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True)
-        else:
-            # Context parallel: keys / values of every shard, causal on global positions.
-            k_BSKH, v_BSKH = context.gather_sequence(k_BTKH), context.gather_sequence(v_BTKH)
-            key_positions_S = jnp.arange(k_BSKH.shape[1])
-            mask_TS = positions_T[:, None] >= key_positions_S[None, :]
-            y_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_TS[None, None])
+        y_BTNH = attention.causal_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, implementation=self.implementation)
         return self.o_proj(y_BTNH.reshape(B, T, self.n_head * self.head_dim))
 
 
