@@ -94,11 +94,14 @@ def run_cli(args, module="experiments.pretrain_gpt2", **kw):
                           capture_output=True, text=True, timeout=300, **kw)
 
 
-def params_of(workdir):
-    model, _, _ = training.load_for_generation(workdir)
+def params_of_model(model):
     from flax import nnx
     import jax
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def params_of(workdir):
+    return params_of_model(training.load_for_generation(workdir)[0])
 
 
 # ------------------------------------------------------------------ library runs
@@ -215,18 +218,46 @@ def test_rerunning_a_finished_run_changes_nothing(reference_run, corpus):
     assert again["val_loss"] == summary["val_loss"] and again["epsilon"] == summary["epsilon"]
 
 
-def test_budget_stops_before_exceeding_target(corpus, tmp_path):
-    # A fixed small sigma with a small target: the budget runs out within `steps`.
-    c = tiny_config(corpus, tmp_path / "budget", steps=50, checkpoint_every=10, log_every=1,
-                    eval_every=10, **{"dp.noise_multiplier": 0.7, "dp.target_epsilon": 1.0})
-    summary = training.train(c, verbose=False)
-    assert 0 < summary["steps"] < 50
-    assert "privacy budget" in summary["stop_reason"]
-    assert summary["epsilon"] <= 1.0
+def test_budget_stops_before_exceeding_target(corpus, tmp_path, monkeypatch):
+    """A fixed sigma with a target epsilon that 6 steps reach: training stops before the 7th. The run
+    uses dp.method="two_pass" (ShardedDPStep on one device) and stops at a step that is not a
+    multiple of log_every: the saved final parameters must be the trainer's, not the last log step's."""
     from jaxdp import accounting
-    over = accounting.epsilon(0.7, summary["sampling_probability"], summary["steps"] + 1,
+    from jaxdp.training import loop
+    sigma = 1.0
+
+    def budget_config(target_epsilon, log_every=1):
+        return tiny_config(corpus, tmp_path / "budget", steps=50, checkpoint_every=50 * log_every,
+                           log_every=log_every, eval_every=50 * log_every, dp__method="two_pass",
+                           **{"dp.noise_multiplier": sigma, "dp.target_epsilon": target_epsilon})
+
+    first = training.prepare(budget_config(1.0))
+    q = first.sampler.sampling_probability
+    target = accounting.epsilon(sigma, q, 6, first.delta)
+    p = training.prepare(budget_config(target))
+    stop = accounting.BudgetTracker(sigma, q, p.delta, target_epsilon=target).max_steps
+    assert 2 <= stop < 50  # the first update moves the model (warmup: step 0's learning rate is 0)
+    log_every = next(k for k in (2, 3, 4, 5, 7) if stop % k)
+    trainers = []
+
+    class Recorded(loop.ShardedTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trainers.append(self)
+
+    monkeypatch.setattr(loop, "ShardedTrainer", Recorded)
+    summary = training.train(budget_config(target, log_every), verbose=False)
+    assert summary["steps"] == stop and 0 < stop < 50 and stop % log_every
+    assert "privacy budget" in summary["stop_reason"]
+    assert summary["epsilon"] <= target
+    over = accounting.epsilon(sigma, summary["sampling_probability"], summary["steps"] + 1,
                               summary["delta"])
-    assert over > 1.0  # one more step would have exceeded it
+    assert over > target  # one more step would have exceeded it
+    (trainer,) = trainers
+    model, _, _ = training.load_for_generation(tmp_path / "budget")
+    trainer.step.update_model(model, trainer.state)  # the trainer's parameters after the last step
+    for saved, trained in zip(params_of(tmp_path / "budget"), params_of_model(model), strict=True):
+        np.testing.assert_array_equal(saved, trained)
 
 
 def test_non_dp_baseline_has_no_epsilon(corpus, tmp_path):

@@ -168,6 +168,8 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
             step = config.steps
     finally:
         metrics_f.close()
+    if sharded is not None:
+        sharded.sync()  # the loop may stop between log boundaries (budget): eval, save and samples see the last step
     progress.close()
     last = step if stop_reason else config.steps
     if stop_reason:
