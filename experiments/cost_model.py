@@ -1,19 +1,26 @@
-"""Prints the per-example norm cost model for GPT-2 layer shapes (markdown).
+"""Prints the per-example norm / clipped-sum cost model for GPT-2 layer shapes (markdown).
 
-    python -m experiments.cost_model [--batch_size=8] [--chunk_size=8]
+    python -m experiments.cost_model [--batch_size=8] [--chunk_size=8] [--itemsize=2]
 
 For every linear shape of GPT-2 small / medium / large at T = 128, 1024, 4096:
-FLOPs, HBM bytes and scratch bytes of the ghost and instantiate norms, the
-non-DP weight-gradient FLOPs for scale, and what `strategy="auto"` picks.
+FLOPs of the ghost and instantiate norms, the non-DP weight-gradient FLOPs for
+scale, and, per layer (norm + clipped sum), the time each method takes by the
+H100 row of `jaxdp.device_rates` (FLOPs at the matmul rate + bytes at the
+bandwidth): ghost / instantiate norms followed by the clipped-sum GEMM, or
+`store` (per-example gradients kept; bytes held shown). `auto` is the norm
+method `strategy="auto"` picks; `store?` whether a layer alone would be stored
+within the 1 GiB budget (`plan_stored` also caps the total over layers).
 """
 
 from absl import app, flags
 
+from jaxdp import device_rates
 from jaxdp.models.gpt2 import GPT2Config
-from jaxdp.norms import DEFAULT_MEMORY_BUDGET_BYTES, choose_method, pair_cost
+from jaxdp.norms import DEFAULT_MEMORY_BUDGET_BYTES, choose_method, linear_layer_cost, pair_cost, plan_stored
 
 FLAGS = flags.DEFINE_integer("batch_size", 8, "examples per micro-batch (B)")
 CHUNK = flags.DEFINE_integer("chunk_size", 8, "examples per norm chunk")
+ITEMSIZE = flags.DEFINE_integer("itemsize", 2, "bytes per input element (2: bf16, 4: float32)")
 
 
 def layer_shapes(config: GPT2Config):
@@ -26,23 +33,31 @@ def layer_shapes(config: GPT2Config):
 
 def main(argv):
     del argv
-    B, k = FLAGS.value, CHUNK.value
-    print(f"B = {B}, chunk = {k}, float32 inputs, memory budget {DEFAULT_MEMORY_BUDGET_BYTES / 2**30:.0f} GiB\n")
-    print("| model | T | layer | P x D | non-DP wgrad GFLOP | ghost GFLOP | ghost HBM MB | ghost scratch MB | "
-          "inst. GFLOP | inst. HBM MB | inst. scratch MB | auto |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    B, k, s = FLAGS.value, CHUNK.value, ITEMSIZE.value
+    rates = device_rates.H100
+    print(f"B = {B}, chunk = {k}, {s}-byte inputs, memory budget {DEFAULT_MEMORY_BUDGET_BYTES / 2**30:.0f} GiB, "
+          f"rates: {rates.device_kind}\n")
+    print("| model | T | layer | P x D | non-DP wgrad GFLOP | ghost GFLOP | inst. GFLOP | "
+          "layer us ghost / inst. / store | store held MB | auto | store? |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in ("small", "medium", "large"):
         config = GPT2Config.preset(name)
         for T in (128, 1024, 4096):
             for layer, kind, P, D in layer_shapes(config):
-                ghost = pair_cost(kind, "ghost", B=B, T=T, P=P, D=D, chunk_size=k)
-                inst = pair_cost(kind, "instantiate", B=B, T=T, P=P, D=D, chunk_size=k)
-                pick = choose_method(kind, B=B, T=T, P=P, D=D, chunk_size=k)
-                wgrad = f"{2 * B * T * P * D / 1e9:.1f}" if kind == "linear" else "-"
-                print(f"| {name} | {T} | {layer} | {P} x {D} | {wgrad} | "
-                      f"{ghost.flops / 1e9:.1f} | {ghost.bytes_moved / 1e6:.0f} | {ghost.scratch_bytes / 1e6:.0f} | "
-                      f"{inst.flops / 1e9:.1f} | {inst.bytes_moved / 1e6:.0f} | {inst.scratch_bytes / 1e6:.0f} | "
-                      f"{pick} |")
+                kw = dict(B=B, T=T, P=P, D=D, itemsize=s, chunk_size=k)
+                ghost, inst = (pair_cost(kind, m, **kw) for m in ("ghost", "instantiate"))
+                pick = choose_method(kind, **kw, rates=rates if kind == "linear" else None)
+                row = f"| {name} | {T} | {layer} | {P} x {D} | "
+                if kind == "linear":
+                    costs = {m: linear_layer_cost(m, **kw) for m in ("ghost", "instantiate", "store")}
+                    us = " / ".join(f"{rates.seconds(c.flops, c.bytes_moved, 'bfloat16' if s == 2 else 'float32') * 1e6:.0f}"
+                                    for c in costs.values())
+                    stored = "yes" if plan_stored({0: (B, T, P, D, s)}, rates, chunk_size=k) else "no"
+                    row += (f"{2 * B * T * P * D / 1e9:.1f} | {ghost.flops / 1e9:.1f} | {inst.flops / 1e9:.1f} | "
+                            f"{us} | {costs['store'].scratch_bytes / 1e6:.0f} | {pick} | {stored} |")
+                else:
+                    row += f"- | {ghost.flops / 1e9:.1f} | {inst.flops / 1e9:.1f} | - | - | {pick} | - |"
+                print(row)
 
 
 if __name__ == "__main__":

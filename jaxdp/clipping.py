@@ -97,6 +97,13 @@ def clip_factors(norms_B: jax.Array, threshold: float, clip_fn: str, gamma: floa
     return threshold / (norms_B + gamma)
 
 
+def stored_clipped_sum(G_BPD: jax.Array, c_B: jax.Array, keep_B: jax.Array) -> jax.Array:
+    """sum_b c_b G_b of kept per-example gradients; examples with keep_B False contribute exact zeros."""
+    dt = jnp.promote_types(G_BPD.dtype, c_B.dtype)
+    G = jnp.where(keep_B[:, None, None], G_BPD.astype(dt), 0)
+    return jnp.tensordot(jnp.where(keep_B, c_B, 0).astype(dt), G, axes=1, precision=jax.lax.Precision.HIGHEST)
+
+
 def clipped_sum(grad: FactoredGrad, c_B: jax.Array, keep_B: jax.Array, *, pallas: bool = False) -> jax.Array:
     """sum_b c_b G_b of one parameter; examples with keep_B False contribute exact zeros.
 

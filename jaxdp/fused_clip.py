@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxdp import clipping as clipping_lib
+from jaxdp import device_rates
 from jaxdp import noise as noise_lib
 from jaxdp import norms as norms_lib
 from jaxdp.terms import FactoredGrad, LinearTerm, as_factored, is_factored
@@ -75,11 +76,15 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     groups = [clipping_lib.group_of(p, clipping) for p in paths]
     thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
     single = _single_linear_terms(factored, groups) if strategy == "pallas" and squared_norms_fn is None else {}
+    stored = {} if squared_norms_fn is not None else _stored_gradients(factored, strategy, chunk_size,
+                                                                         memory_budget_bytes)
     sq_by_group: dict = {}
     bound_by_group: dict = {}
     for i, (grad, group) in enumerate(zip(factored, groups)):
         if squared_norms_fn is not None:
             sq, bound = squared_norms_fn(grad)
+        elif i in stored:
+            sq, bound = jnp.sum(jnp.square(stored[i]), axis=(1, 2)), norms_lib.rounding_bound(grad)
         else:
             skip = single[group][1] if single.get(group, (None,))[0] == i else None
             sq = norms_lib.squared_norms(grad, strategy, chunk_size=chunk_size,
@@ -102,6 +107,9 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     pallas = strategy == "pallas"
     sums = []
     for i, (grad, group) in enumerate(zip(factored, groups)):
+        if i in stored:
+            sums.append(clipping_lib.stored_clipped_sum(stored[i], factors[group], keep_B))
+            continue
         if single.get(group, (None,))[0] != i:
             sums.append(clipping_lib.clipped_sum(grad, factors[group], keep_B, pallas=pallas))
             continue
@@ -113,6 +121,22 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
             part = part + clipping_lib.clipped_sum(FactoredGrad(rest), factors[group], keep_B, pallas=True)
         sums.append(part)
     return jax.tree.unflatten(treedef, sums), norms
+
+
+def _stored_gradients(factored, strategy: str, chunk_size: int, memory_budget_bytes: int) -> dict:
+    """{parameter index: per-example gradients (B, *shape)} of the linear layers (with the tied
+    embedding's lookups) whose G_b are kept (`jaxdp.norms.plan_stored`): all of them with strategy
+    "store", the planned ones with "auto"."""
+    if strategy not in ("auto", "store"):
+        return {}
+    linear = {i: t for i, grad in enumerate(factored) if (t := norms_lib.storable(grad)) is not None}
+    if strategy == "auto":
+        shapes = {i: t.x_BTP.shape + t.g_BTD.shape[-1:] + (jnp.result_type(t.x_BTP, t.g_BTD).itemsize,)
+                  for i, t in linear.items()}
+        keep = norms_lib.plan_stored(shapes, device_rates.current(), chunk_size=chunk_size,
+                                     memory_budget_bytes=memory_budget_bytes)
+        linear = {i: t for i, t in linear.items() if i in keep}
+    return {i: norms_lib.per_example_gradients(factored[i]) for i in linear}
 
 
 def _single_linear_terms(factored, groups) -> dict:
@@ -230,8 +254,11 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
       clipping: "flat" (one group), "per_layer" (a group per module: a
         parameter's path without its own name), or a callable path -> group key.
       clip_fn: "abadi" (min(1, C_g/n)) or "automatic" (C_g / (n + gamma)).
-      strategy: per-example norm method: "ghost", "instantiate" or "auto"
-        (per layer, from the FLOP / memory cost model in `jaxdp.norms`), or
+      strategy: per-example norm method: "ghost", "instantiate", "store"
+        (every linear layer of its own keeps its per-example gradients for its
+        norm and its clipped sum) or "auto" (per layer, the fastest of these
+        under `memory_budget_bytes` by the cost model of `jaxdp.norms` with the
+        device's measured rates, `jaxdp.device_rates`), or
         "pallas": linear layers' norms and clipped sums by the `jaxdp.pallas`
         kernels (Pallas interpreter on CPU), everything else as "auto"; where
         a clipping group holds a single linear term (per-layer clipping) its
@@ -244,7 +271,8 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
       gamma: stability constant of automatic clipping.
       group_weights: optional relative weights w_g: C_g = C sqrt(w_g / sum w).
       chunk_size: examples processed at once by the norm computation.
-      memory_budget_bytes: scratch budget per layer for `strategy="auto"`.
+      memory_budget_bytes: `strategy="auto"`'s budget: scratch per layer, and
+        the per-example gradients it keeps (`store`), in total.
 
     Returns:
       An `optax.GradientTransformation`.

@@ -16,7 +16,16 @@ an instantiated gradient never exceeds `chunk_size` x parameter size and a
 Gram matrix never exceeds `chunk_size` x T^2.
 
 `strategy="auto"` picks ghost or instantiate per pair from `pair_cost`: the
-fewer FLOPs among the choices whose scratch memory fits `memory_budget_bytes`.
+least time (FLOPs at the device's matmul rate plus bytes at its bandwidth,
+`jaxdp.device_rates`) among the choices whose scratch memory fits
+`memory_budget_bytes`. For a parameter with one linear term (and possibly
+embedding lookups: the tied GPT-2 embedding, `storable`) it may also keep the
+per-example gradients G_b until the clip factors are known (`store`, what
+makes vmap fast at small B x params): the norm squares them and the clipped
+sum is sum_b c_b G_b, so the clipped-sum GEMM x^T diag(c) g is never run. `plan_stored` picks the
+layers where that saves the most time per byte held, within the same budget
+in total (`jaxdp.fused_clip.clipped_aggregate` applies it; `strategy="store"`
+stores every such layer).
 `strategy="pallas"` computes Linear self pairs with the Pallas kernels of
 `jaxdp.pallas` (ghost or instantiate by FLOPs alone: neither kernel writes
 scratch to memory; interpreted on CPU) and every other pair as "auto"
@@ -47,9 +56,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxdp import device_rates
+from jaxdp.device_rates import DeviceRates
 from jaxdp.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm, Term
 
-STRATEGIES = ("ghost", "instantiate", "auto", "pallas")
+STRATEGIES = ("ghost", "instantiate", "store", "auto", "pallas")
 # A parameter's per-example squared norms (B,) and a bound on their rounding error (B,), from its
 # factored gradient: `squared_norms_with_bound` with fixed options, or
 # `jaxdp.sharding.context_parallel.squared_norms` on sequence shards.
@@ -183,15 +194,55 @@ def pair_cost(kind: str, method: str, *, B: int, T: int, P: int, D: int, S: int 
     return PairCost(flops, inputs + 2 * B * P * D * 4, k * P * D * 4)
 
 
+def _dtype_of(itemsize: int):
+    return jnp.bfloat16 if itemsize == 2 else jnp.float32
+
+
 def choose_method(kind: str, *, B, T, P, D, S=None, itemsize=4, chunk_size=DEFAULT_CHUNK_SIZE,
-                  memory_budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES) -> str:
-    """The `auto` rule: fewest FLOPs among methods whose scratch fits the budget."""
+                  memory_budget_bytes=DEFAULT_MEMORY_BUDGET_BYTES,
+                  rates: DeviceRates | None = None) -> str:
+    """The `auto` rule: least time with `rates` (fewest FLOPs without) among methods whose scratch fits."""
     costs = {m: pair_cost(kind, m, B=B, T=T, P=P, D=D, S=S, itemsize=itemsize, chunk_size=chunk_size)
              for m in ("ghost", "instantiate")}
     fits = [m for m, c in costs.items() if c.scratch_bytes <= memory_budget_bytes]
-    if fits:
+    if not fits:
+        return min(costs, key=lambda m: costs[m].scratch_bytes)
+    if rates is None:
         return min(fits, key=lambda m: costs[m].flops)
-    return min(costs, key=lambda m: costs[m].scratch_bytes)
+    return min(fits, key=lambda m: rates.seconds(costs[m].flops, costs[m].bytes_moved, _dtype_of(itemsize)))
+
+
+def linear_layer_cost(method: str, *, B: int, T: int, P: int, D: int, itemsize: int = 4,
+                      chunk_size: int = DEFAULT_CHUNK_SIZE) -> PairCost:
+    """Norm AND clipped sum of a linear layer: ghost / instantiate norms then the clipped-sum GEMM
+    x^T diag(c) g (scratch per chunk), or `store` (G_b of every example held: its scratch)."""
+    inputs = B * T * (P + D) * itemsize
+    if method == "store":
+        return PairCost(2 * B * T * P * D + 4 * B * P * D, inputs + 3 * B * P * D * 4 + P * D * 4, B * P * D * 4)
+    norm = pair_cost("linear", method, B=B, T=T, P=P, D=D, itemsize=itemsize, chunk_size=chunk_size)
+    return PairCost(norm.flops + 2 * B * T * P * D, norm.bytes_moved + inputs + P * D * 4, norm.scratch_bytes)
+
+
+def plan_stored(shapes: dict, rates: DeviceRates, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> set:
+    """Keys of `shapes` ({key: (B, T, P, D, itemsize)}, linear layers of their own) whose per-example
+    gradients `auto` keeps: where storing is faster than the best of ghost / instantiate, most time
+    saved per byte first, while the bytes held fit `memory_budget_bytes` in total."""
+    gains = []
+    for key, (B, T, P, D, itemsize) in shapes.items():
+        kw = dict(B=B, T=T, P=P, D=D, itemsize=itemsize, chunk_size=chunk_size)
+        other = choose_method("linear", **kw, memory_budget_bytes=memory_budget_bytes, rates=rates)
+        seconds = {m: rates.seconds(c.flops, c.bytes_moved, _dtype_of(itemsize))
+                   for m in (other, "store") for c in [linear_layer_cost(m, **kw)]}
+        held = linear_layer_cost("store", **kw).scratch_bytes
+        if seconds["store"] < seconds[other]:
+            gains.append(((seconds[other] - seconds["store"]) / held, held, key))
+    stored, total = set(), 0
+    for _, held, key in sorted(gains, key=lambda g: g[0], reverse=True):
+        if total + held <= memory_budget_bytes:
+            stored.add(key)
+            total += held
+    return stored
 
 
 # Dispatch.
@@ -210,7 +261,7 @@ def _method(strategy, kind, a, b, chunk_size, memory_budget_bytes):
         B, T, P = a.x_BTP.shape
         return choose_method(kind, B=B, T=T, P=P, D=a.g_BTD.shape[-1], S=b.x_BTP.shape[1],
                              itemsize=a.x_BTP.dtype.itemsize, chunk_size=chunk_size,
-                             memory_budget_bytes=memory_budget_bytes)
+                             memory_budget_bytes=memory_budget_bytes, rates=device_rates.current())
     if kind == "embed":
         B, T, D = a.g_BTD.shape
         return choose_method(kind, B=B, T=T, P=a.num_embeddings, D=D, S=b.g_BTD.shape[1],
@@ -221,8 +272,31 @@ def _method(strategy, kind, a, b, chunk_size, memory_budget_bytes):
                          memory_budget_bytes=memory_budget_bytes)
 
 
+def storable(grad: FactoredGrad) -> LinearTerm | None:
+    """The linear term of a parameter whose per-example gradients `store` can keep: one linear term,
+    plus any embedding lookups (the tied GPT-2 embedding), no dense term. None otherwise."""
+    linear = [t for t in grad.terms if isinstance(t, LinearTerm)]
+    ok = len(linear) == 1 and all(isinstance(t, (LinearTerm, EmbedTerm)) for t in grad.terms)
+    return linear[0] if ok else None
+
+
+def per_example_gradients(grad: FactoredGrad) -> jax.Array:
+    """G_b of every example, (B, *shape), accumulated in float32 (float64 for float64), of a `storable`
+    parameter: x_b^T g_b, plus each lookup's rows g_bt added at its ids."""
+    total = None
+    for term in grad.terms:
+        if isinstance(term, LinearTerm):
+            part = _dot("btp,btd->bpd", term.x_BTP, term.g_BTD)
+            total = part if total is None else total + part
+    for term in grad.terms:
+        if isinstance(term, EmbedTerm):
+            g = term.g_BTD.astype(total.dtype)
+            total = jax.vmap(lambda G, ids, g_TD: G.at[ids].add(g_TD))(total, term.ids_BT, g)
+    return total
+
+
 def _linear_self_pallas(term: LinearTerm, chunk_size: int) -> jax.Array:
-    """||x_b^T g_b||^2 by a Pallas kernel: ghost (Gram tiles) or instantiate (G tiles), fewer FLOPs."""
+    """||x_b^T g_b||^2 by a Pallas kernel: ghost (Gram tiles) or instantiate (G tiles), by the cost model."""
     from jaxdp import pallas as pallas_lib  # imports jax.experimental.pallas only when used
     method = _method("auto", "linear", term, term, chunk_size, math.inf)
     if method == "ghost":
@@ -236,6 +310,8 @@ def pair_inner(a: Term, b: Term, strategy: str = "auto", *, chunk_size: int = DE
     if strategy == "pallas":
         if isinstance(a, LinearTerm) and a is b:
             return _linear_self_pallas(a, chunk_size)
+        strategy = "auto"
+    if strategy == "store":  # stored gradients are `jaxdp.fused_clip.clipped_aggregate`'s; any other pair: auto
         strategy = "auto"
     if isinstance(b, DenseTerm) and not isinstance(a, DenseTerm):
         a, b = b, a

@@ -67,7 +67,7 @@ def test_eager_equals_reference(clipping, clip_fn, strategy, remat):
 
 
 ALL_CONFIGS = [(clipping, clip_fn, strategy) for clipping in CLIPPINGS
-               for clip_fn in ("abadi", "automatic") for strategy in ("ghost", "instantiate", "auto")]
+               for clip_fn in ("abadi", "automatic") for strategy in ("ghost", "instantiate", "store", "auto")]
 
 
 @pytest.mark.parametrize("chunk_size", [8, 4], ids=["vmap", "chunked"])

@@ -128,3 +128,28 @@ def test_auto_strategy_follows_cost_model():
     assert choose_method("linear", B=8, T=4096, P=50257, D=768) == "ghost"
     assert choose_method("linear", B=8, T=4096, P=50257, D=768, memory_budget_bytes=1 << 32) == "instantiate"
     assert choose_method("embed", B=8, T=1024, P=50257, D=768) == "instantiate"
+
+
+def test_auto_stores_per_example_gradients_where_faster():
+    """With H100 rates, GPT-2 small's block layers keep G_b at T = 1024 (the clipped-sum GEMM is
+    skipped), not at T = 128 (ghost norms are cheaper than writing G_b); the budget caps the total."""
+    from jaxdp import device_rates
+    from jaxdp.norms import linear_layer_cost, plan_stored
+    d = 768
+    layers = {"c_attn": (d, 3 * d), "c_proj": (d, d), "c_fc": (d, 4 * d), "mlp_proj": (4 * d, d)}
+    h100 = device_rates.H100
+
+    def shapes(B, T):
+        return {name: (B, T, P, D, 2) for name, (P, D) in layers.items()}
+
+    assert plan_stored(shapes(4, 1024), h100) == set(layers)
+    assert plan_stored(shapes(8, 128), h100) == set()
+    held = {name: linear_layer_cost("store", B=4, T=1024, P=P, D=D, itemsize=2).scratch_bytes
+            for name, (P, D) in layers.items()}
+    assert plan_stored(shapes(4, 1024), h100, memory_budget_bytes=min(held.values()) - 1) == set()
+    one = plan_stored(shapes(4, 1024), h100, memory_budget_bytes=max(held.values()))
+    assert len(one) == 1 or sum(held[n] for n in one) <= max(held.values())
+    # Storing skips the clipped-sum GEMM: 2 B T P D FLOPs fewer than instantiate.
+    kw = dict(B=4, T=1024, P=d, D=4 * d, itemsize=2)
+    saved = linear_layer_cost("instantiate", **kw).flops - linear_layer_cost("store", **kw).flops
+    assert saved == 2 * 4 * 1024 * d * 4 * d - 2 * 4 * d * 4 * d

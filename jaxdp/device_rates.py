@@ -1,0 +1,62 @@
+"""Measured device rates for the `strategy="auto"` cost model (`jaxdp.norms`).
+
+A per-layer choice between ghost norms, instantiated norms and stored
+per-example gradients trades GEMM FLOPs against memory traffic, so `auto`
+estimates each method's time as FLOPs / matmul rate + bytes / bandwidth with
+the rates of the device it runs on. Every row below is a measurement (or says
+that it is not one), with the command, device, JAX version and date.
+Re-measure a device with `python -m benchmarks.measure_rates` and add its row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRates:
+    """Sustained rates of one device kind."""
+    device_kind: str
+    matmul_flops_per_s: Mapping[str, float]  # by GEMM input dtype ("bfloat16", "float32" at HIGHEST precision)
+    bytes_per_s: float                       # copy bandwidth of device memory (read + write bytes / s)
+    source: str
+
+    def matmul_rate(self, dtype) -> float:
+        name = jnp.dtype(dtype).name
+        if name in ("bfloat16", "float16"):
+            return self.matmul_flops_per_s["bfloat16"]
+        return self.matmul_flops_per_s["float32"]
+
+    def seconds(self, flops: float, bytes_moved: float, dtype) -> float:
+        """The time model: GEMM FLOPs at the matmul rate plus bytes at the copy bandwidth."""
+        return flops / self.matmul_rate(dtype) + bytes_moved / self.bytes_per_s
+
+
+H100 = DeviceRates(
+    "NVIDIA H100 80GB HBM3",
+    {"bfloat16": 8.0e14,   # measured: ~800 TFLOP/s dense bf16 (../shared/DESIGN.md, "Count FLOPs")
+     "float32": 6.7e13},   # NOT measured: the FP32 (non-tensor-core) spec figure; f32 norms run at HIGHEST
+    3.0e12,                # measured: ~3 TB/s copy (../shared/DESIGN.md)
+    "bf16 rate and copy bandwidth as measured in ../shared/DESIGN.md; float32 from the spec sheet (not measured)")
+
+CPU = DeviceRates(
+    "cpu",
+    {"bfloat16": 1.02e11, "float32": 1.57e11},
+    1.23e10,
+    "python -m benchmarks.measure_rates, cpu (2 cores), JAX 0.10.2, 2026-11-23")
+
+TABLE = (H100, CPU)
+
+
+def current() -> DeviceRates:
+    """The rates of the default device: its row of `TABLE` by device kind; an unlisted GPU gets the
+    H100's, any other device the CPU's."""
+    device = jax.devices()[0]
+    for rates in TABLE:
+        if rates.device_kind.lower() in device.device_kind.lower():
+            return rates
+    return H100 if device.platform == "gpu" else CPU
