@@ -10,8 +10,9 @@ Everything here runs on the host in NumPy; nothing needs a network at run time.
   trains a smaller byte-level BPE on the corpus in seconds. Both return a
   `Tokenizer`, backed by HuggingFace `tokenizers`.
 * `TokenWindows` splits the documents into train / validation BY DOCUMENT,
-  tokenises a split once into a memory-mapped `.npy` cache, and serves
-  fixed-length windows: the records of DP-SGD.
+  by a hash of each document's text (`split_documents`: no seed, and removing
+  one document moves no other), tokenises a split once into a memory-mapped
+  `.npy` cache, and serves fixed-length windows: the records of DP-SGD.
 
 Example::
 
@@ -47,7 +48,8 @@ import numpy as np
 
 EOT_TOKEN = "<|endoftext|>"
 BUNDLED_CORPUS = "sotu.jsonl.gz"
-_CACHE_FORMAT = 1  # Bump when the token-array layout changes.
+_CACHE_FORMAT = 2  # Bump when the token-array layout or the split changes.
+_SPLIT_SALT = b"jaxdp.data.split_documents/v1"  # public: the split is a fixed function of the text
 
 ProgressFn = Callable[[int, int], None]
 
@@ -262,21 +264,36 @@ def make_tokenizer(spec: str, documents: Sequence[str] | None = None) -> Tokeniz
 # ------------------------------------------------------------------- windows
 
 
-def split_documents(num_documents: int, validation_fraction: float,
-                    seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic train / validation split of document indices (each sorted).
+def split_documents(documents: Sequence[str],
+                    validation_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Train / validation split of document indices (each sorted), by a hash of each document's text.
 
-    The validation split gets `round(validation_fraction * num_documents)`
-    documents, at least one when `validation_fraction > 0`; 0 gives none.
+    Document i goes to validation iff `split_hash(documents[i]) <
+    validation_fraction`: a fixed public function of its text (no seed), so
+    the split is the same in every run and on resume, equal texts fall on the
+    same side, and removing one document changes no other document's side.
+    With `validation_fraction > 0` and no hash below it, the document with the
+    smallest hash is the validation split (at least one); 0 gives none.
+
+    Raises:
+      ValueError: validation_fraction outside [0, 1), or an empty train split.
     """
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
-    num_val = max(1, round(validation_fraction * num_documents)) if validation_fraction > 0 else 0
-    if num_documents - num_val < 1:
-        raise ValueError(f"{num_documents} document(s) cannot be split with validation_fraction="
+    h = np.array([split_hash(d) for d in documents], np.float64)
+    is_val = h < validation_fraction
+    if validation_fraction > 0 and len(documents) and not is_val.any():
+        is_val[np.argmin(h)] = True
+    if is_val.all():
+        raise ValueError(f"{len(documents)} document(s) cannot be split with validation_fraction="
                          f"{validation_fraction}: the train split would be empty")
-    perm = np.random.default_rng(seed).permutation(num_documents)
-    return np.sort(perm[num_val:]), np.sort(perm[:num_val])
+    return np.flatnonzero(~is_val), np.flatnonzero(is_val)
+
+
+def split_hash(text: str) -> float:
+    """SHA-256 of a fixed public salt and the UTF-8 text, as a fraction in [0, 1)."""
+    digest = hashlib.sha256(_SPLIT_SALT + text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
 def stderr_progress(done: int, total: int) -> None:
@@ -296,12 +313,13 @@ def default_cache_dir() -> pathlib.Path:
 class TokenWindows:
     """Fixed-length token windows of one split of a corpus: the DP records.
 
-    The split's documents (see `split_documents`) are encoded once, each
-    followed by the end-of-text token, into one token stream, cached as
-    `<cache_dir>/<tokenizer.name>-<split>-<key>.npy` (uint16 when the vocabulary
-    fits, else uint32) and memory-mapped. The key hashes the corpus content,
-    the tokenizer's full serialisation and the split settings, so changing any
-    of them re-tokenises; `seq_len` is not part of it (windows are views).
+    The split's documents (see `split_documents`: by a hash of each text) are
+    encoded once, each followed by the end-of-text token, into one token
+    stream, cached as `<cache_dir>/<tokenizer.name>-<split>-<key>.npy` (uint16
+    when the vocabulary fits, else uint32) and memory-mapped. The key hashes
+    the corpus content, the tokenizer's full serialisation and the split
+    settings, so changing any of them re-tokenises; `seq_len` is not part of it
+    (windows are views).
     Files are written to a temporary name and renamed, so a crash or a
     concurrent run never leaves a partial cache.
 
@@ -323,7 +341,7 @@ class TokenWindows:
     """
 
     def __init__(self, documents: Sequence[str], tokenizer: Tokenizer, seq_len: int, *,
-                 split: str = "train", validation_fraction: float = 0.05, seed: int = 0,
+                 split: str = "train", validation_fraction: float = 0.05,
                  cache_dir: str | os.PathLike | None = None,
                  progress: ProgressFn | None = None):
         if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
@@ -332,13 +350,13 @@ class TokenWindows:
             raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
         if not documents:
             raise ValueError("documents is empty")
-        train_idx, val_idx = split_documents(len(documents), validation_fraction, seed)
+        train_idx, val_idx = split_documents(documents, validation_fraction)
         if split == "validation" and not len(val_idx):
             raise ValueError("split='validation' needs validation_fraction > 0")
         self.split, self.seq_len = split, int(seq_len)
         split_docs = [documents[i] for i in (train_idx if split == "train" else val_idx)]
 
-        key = _cache_key(documents, tokenizer, split, validation_fraction, seed)
+        key = _cache_key(documents, tokenizer, split, validation_fraction)
         cache = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cache_path = cache / f"{tokenizer.name}-{split}-{key[:20]}.npy"
         self.tokens = _try_load(self.cache_path)
@@ -377,10 +395,10 @@ class TokenWindows:
                 f"num_windows={self.num_windows}, num_tokens={self.num_tokens})")
 
 
-def _cache_key(documents, tokenizer, split, validation_fraction, seed) -> str:
+def _cache_key(documents, tokenizer, split, validation_fraction) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([_CACHE_FORMAT, tokenizer.fingerprint, tokenizer.eot_id, split,
-                         float(validation_fraction), int(seed), len(documents)]).encode())
+    h.update(json.dumps([_CACHE_FORMAT, _SPLIT_SALT.decode(), tokenizer.fingerprint, tokenizer.eot_id,
+                         split, float(validation_fraction), len(documents)]).encode())
     for doc in documents:
         b = doc.encode("utf-8")
         h.update(len(b).to_bytes(8, "little"))

@@ -13,11 +13,21 @@ depends on the data set and is not protected by the noise.
 A draw is a Binomial(N, q) size followed by a uniformly random subset of that
 size, which is the same distribution as N independent coin flips (Beltran et
 al. 2024, arXiv:2406.17298, Lemma 1) at O(batch) cost instead of O(N). The
-draw for step s uses only `np.random.default_rng([seed, s])`, so a resumed run
-reproduces an uninterrupted one exactly with no RNG state to save; only the
-step counter must be restored. (The formal guarantee assumes ideal
-randomness; NumPy's PCG64 is a statistical, not a cryptographically secure,
-generator.)
+draw for step s (attempt a, see "resample") uses only
+`np.random.default_rng(jaxdp.noise.derive_seed(seed, "poisson", s, a))`, so a
+resumed run reproduces an uninterrupted one exactly with no RNG state to save;
+only the seed and the step counter must be restored. `derive_seed` hashes the
+whole path (SHA-256), so no step's stream is the stream of the bare seed or of
+another step (NumPy seeds `default_rng([seed, s, 0])` exactly like
+`default_rng([seed, s])`, and `[seed, 0, 0]` like `seed`: trailing zeros are
+dropped).
+
+The seed must be secret: whoever knows it knows every batch, hence which
+examples each noisy sum holds. `seed=None` (the default) draws a 128-bit seed
+from the operating system's entropy (`jaxdp.noise.secret_seed`); a pinned seed
+reproduces the batches and the guarantee then assumes it is kept secret. (The
+formal guarantee also assumes ideal randomness; NumPy's PCG64 is a
+statistical, not a cryptographically secure, generator.)
 
 Overflow and what it does to the guarantee. If a draw has more than
 `max_batch_size` examples, the step is no longer the Poisson-sampled Gaussian
@@ -27,7 +37,7 @@ mechanism that the accountant analyses:
               examples (truncated Poisson sampling). Note that an added
               example can then displace another one, which plain Poisson
               accounting does not model.
-  "resample"  redraws the whole batch (from rng([seed, step, attempt])) until
+  "resample"  redraws the whole batch (attempt 1, 2, ... of the step) until
               it fits: the batch is Poisson conditioned on fitting.
   "error"     raises RuntimeError; the run stops.
 
@@ -72,12 +82,12 @@ import operator
 
 import numpy as np
 
+from jaxdp import noise as noise_lib
+
 OVERFLOW_MODES = ("truncate", "resample", "error")
 DEFAULT_MAX_OVERFLOW_PROBABILITY = 1e-9
 _MAX_RESAMPLE_ATTEMPTS = 1000
-# SeedSequence splits larger ints into 32-bit words, so [seed, step, attempt]
-# identifies a stream uniquely only while seed and step fit in one word.
-_UINT32_LIMIT = 2**32
+_DOMAIN = "poisson"  # derive_seed(seed, _DOMAIN, step, attempt): the stream of one draw
 
 # ---------------------------------------------------------------- binomial tail
 # No scipy: the binomial pmf is summed exactly over a window around the mean.
@@ -140,7 +150,10 @@ class PoissonSampler:
         size b with P(Binomial(N + 1, q) > b) < max_overflow_probability (N + 1:
         the larger neighbouring data set), at most N, computed from the exact
         binomial tail.
-      seed: int in [0, 2**32); step s draws from np.random.default_rng([seed, s]).
+      seed: int >= 0, or None (default) for a secret seed from the operating
+        system's entropy. Step s, attempt a draws from
+        `np.random.default_rng(jaxdp.noise.derive_seed(seed, "poisson", s, a))`.
+        Keep a pinned seed secret: it reproduces every batch.
       overflow: what to do when a draw exceeds max_batch_size: "truncate",
         "resample" or "error" (see the module docstring for what each does to
         the privacy guarantee).
@@ -167,7 +180,7 @@ class PoissonSampler:
         expected_batch_size: float,
         *,
         max_batch_size: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         overflow: str = "truncate",
         max_overflow_probability: float = DEFAULT_MAX_OVERFLOW_PROBABILITY,
     ):
@@ -178,9 +191,9 @@ class PoissonSampler:
             raise ValueError(
                 f"expected_batch_size must be in (0, num_examples] = (0, {num_examples}], "
                 f"got {expected_batch_size!r}")
-        seed = operator.index(seed)
-        if not 0 <= seed < _UINT32_LIMIT:
-            raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+        seed = noise_lib.secret_seed() if seed is None else operator.index(seed)
+        if seed < 0:
+            raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
         if not 0 < max_overflow_probability <= 0.5:
@@ -217,7 +230,7 @@ class PoissonSampler:
         """The batch of step `step`, a function of (seed, step) only.
 
         Args:
-          step: int in [0, 2**32), the training step.
+          step: int >= 0, the training step.
 
         Returns:
           (indices, mask): int64 and bool arrays of shape (max_batch_size,).
@@ -230,8 +243,8 @@ class PoissonSampler:
             overflow="resample" and no redraw fit in 1000 attempts.
         """
         step = operator.index(step)
-        if not 0 <= step < _UINT32_LIMIT:
-            raise ValueError(f"step must be an integer in [0, 2**32), got {step!r}")
+        if step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
         chosen, overflowed = self._draw(step)
         self.last_overflow = overflowed
         self.overflow_count += overflowed
@@ -244,8 +257,7 @@ class PoissonSampler:
     def _draw(self, step: int) -> tuple[np.ndarray, bool]:
         n, b = self.num_examples, self.max_batch_size
         for attempt in range(_MAX_RESAMPLE_ATTEMPTS):
-            # [seed, step, 0] seeds the same stream as [seed, step].
-            rng = np.random.default_rng([self.seed, step, attempt])
+            rng = np.random.default_rng(noise_lib.derive_seed(self.seed, _DOMAIN, step, attempt))
             size = int(rng.binomial(n, self.sampling_probability))
             chosen = rng.choice(n, size=size, replace=False, shuffle=False)
             if size <= b:
@@ -265,5 +277,5 @@ class PoissonSampler:
     def __repr__(self) -> str:
         return (f"PoissonSampler(num_examples={self.num_examples}, "
                 f"expected_batch_size={self.expected_batch_size}, "
-                f"max_batch_size={self.max_batch_size}, seed={self.seed}, "
+                f"max_batch_size={self.max_batch_size}, seed=<secret>, "
                 f"overflow={self.overflow!r})")

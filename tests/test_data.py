@@ -4,6 +4,7 @@ import gzip
 import importlib.util
 import json
 import os
+import secrets
 
 import numpy as np
 import pytest
@@ -163,23 +164,63 @@ def test_make_tokenizer(bpe, tmp_path):
 # ---------------------------------------------------------- split, windows
 
 
-def test_split_by_document():
-    train, val = data.split_documents(40, 0.2, seed=3)
-    assert len(val) == 8 and len(train) == 32
-    assert not set(train) & set(val)
-    assert sorted(set(train) | set(val)) == list(range(40))
-    again = data.split_documents(40, 0.2, seed=3)
+def _random_documents(rng, n):
+    words = ["the", "union", "congress", "naïve", "café", "№", "we", "of", "and", "peace", "war"]
+    return [" ".join(rng.choice(words, size=rng.integers(1, 30))) + f" {i} {rng.random()}"
+            for i in range(n)]
+
+
+def test_split_by_document_hash():
+    seed = secrets.randbits(64)
+    rng = np.random.default_rng(seed)
+    docs = _random_documents(rng, 2000)
+    fraction = float(rng.uniform(0.05, 0.5))
+    train, val = data.split_documents(docs, fraction)
+    assert not set(train) & set(val), seed
+    assert sorted(set(train) | set(val)) == list(range(len(docs))), seed
+    assert list(val) == [i for i, d in enumerate(docs) if data.split_hash(d) < fraction], seed
+    again = data.split_documents(docs, fraction)  # a fixed function of the texts: no seed
+    np.testing.assert_array_equal(again[0], train)
     np.testing.assert_array_equal(again[1], val)
-    assert not np.array_equal(data.split_documents(40, 0.2, seed=4)[1], val)
-    assert len(data.split_documents(40, 0.0, seed=0)[1]) == 0
-    assert len(data.split_documents(3, 0.01, seed=0)[1]) == 1  # at least one
+    # Each document is in validation with probability `fraction`: the count is Binomial.
+    sd = np.sqrt(len(docs) * fraction * (1 - fraction))
+    assert abs(len(val) - fraction * len(docs)) <= 6 * sd, (seed, len(val), fraction)
+
+
+def test_split_is_per_document():
+    """Removing a document, or reordering the corpus, moves no other document to the other side."""
+    seed = secrets.randbits(64)
+    rng = np.random.default_rng(seed)
+    docs = _random_documents(rng, 300)
+    side = dict(zip(docs, np.isin(np.arange(len(docs)), data.split_documents(docs, 0.2)[1])))
+    removed = int(rng.integers(len(docs)))
+    rest = docs[:removed] + docs[removed + 1:]
+    _, val = data.split_documents(rest, 0.2)
+    assert [side[d] for d in rest] == list(np.isin(np.arange(len(rest)), val)), seed
+    order = rng.permutation(len(docs))
+    shuffled = [docs[i] for i in order]
+    _, val = data.split_documents(shuffled, 0.2)
+    assert [side[d] for d in shuffled] == list(np.isin(np.arange(len(docs)), val)), seed
+
+
+def test_split_edge_cases():
+    docs = _random_documents(np.random.default_rng(secrets.randbits(64)), 5)
+    assert len(data.split_documents(docs, 0.0)[1]) == 0
+    # No hash below a tiny fraction: the document with the smallest hash is the validation split.
+    _, val = data.split_documents(docs, 1e-12)
+    assert list(val) == [int(np.argmin([data.split_hash(d) for d in docs]))]
+    with pytest.raises(ValueError, match="train split would be empty"):
+        data.split_documents(docs[:1], 0.5)
+    with pytest.raises(ValueError, match="validation_fraction"):
+        data.split_documents(docs, 1.0)
 
 
 def test_token_streams_hold_exactly_their_split(bpe, tmp_path):
-    kw = dict(validation_fraction=0.25, seed=1, cache_dir=tmp_path)
+    kw = dict(validation_fraction=0.25, cache_dir=tmp_path)
     train = data.TokenWindows(_DOCS, bpe, 8, split="train", **kw)
     val = data.TokenWindows(_DOCS, bpe, 8, split="validation", **kw)
-    train_idx, val_idx = data.split_documents(len(_DOCS), 0.25, seed=1)
+    train_idx, val_idx = data.split_documents(_DOCS, 0.25)
+    assert len(train_idx) and len(val_idx)
     for w, idx in ((train, train_idx), (val, val_idx)):
         np.testing.assert_array_equal(w.tokens, _expected_stream([_DOCS[i] for i in idx], bpe))
 
@@ -225,13 +266,14 @@ def test_large_vocabulary_uses_uint32(tmp_path):
 
 def test_cache_hit_and_invalidation(bpe, tmp_path):
     tok = _CountingTokenizer(bpe)
-    kw = dict(validation_fraction=0.2, seed=0, cache_dir=tmp_path)
+    kw = dict(validation_fraction=0.2, cache_dir=tmp_path)
+    num_train = len(data.split_documents(_DOCS, 0.2)[0])
     first = data.TokenWindows(_DOCS, tok, 16, **kw)
-    assert not first.from_cache and tok.documents_encoded == 32
+    assert not first.from_cache and tok.documents_encoded == num_train
     mtime = os.stat(first.cache_path).st_mtime_ns
 
     again = data.TokenWindows(_DOCS, tok, 16, **kw)
-    assert again.from_cache and tok.documents_encoded == 32
+    assert again.from_cache and tok.documents_encoded == num_train
     assert again.cache_path == first.cache_path
     assert os.stat(first.cache_path).st_mtime_ns == mtime
     np.testing.assert_array_equal(again.get([0, 1]), first.get([0, 1]))
@@ -241,7 +283,6 @@ def test_cache_hit_and_invalidation(bpe, tmp_path):
     assert other_len.from_cache and other_len.cache_path == first.cache_path
 
     changes = [
-        dict(seed=1),
         dict(validation_fraction=0.3),
         dict(documents=_DOCS[:-1] + [_DOCS[-1] + "!"]),
     ]
@@ -275,7 +316,8 @@ def test_progress_callback(bpe, tmp_path):
     calls = []
     data.TokenWindows(_DOCS, bpe, 16, cache_dir=tmp_path,
                       progress=lambda done, total: calls.append((done, total)))
-    assert calls and calls[-1] == (38, 38)
+    num_train = len(data.split_documents(_DOCS, 0.05)[0])
+    assert calls and calls[-1] == (num_train, num_train)
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
 
 
@@ -299,11 +341,14 @@ def test_bad_window_arguments(bpe, tmp_path, kwargs, match):
 
 
 def test_too_small_for_one_validation_window(bpe, tmp_path):
-    docs = ["tiny"] + _DOCS[:10]
+    docs = _DOCS[:10]
+    (val,) = data.split_documents(docs, 1e-9)[1]  # one document: the one with the smallest hash
+    seq_len = len(bpe.encode(docs[val])) + 1  # its stream (text + end of text) is one token short
     with pytest.raises(ValueError, match=r"validation split .*seq_len"):
-        # Validation gets one short document (< 513 tokens); a window needs 513.
-        data.TokenWindows(docs, bpe, 512, split="validation", validation_fraction=0.05,
+        data.TokenWindows(docs, bpe, seq_len, split="validation", validation_fraction=1e-9,
                           cache_dir=tmp_path)
+    assert data.TokenWindows(docs, bpe, seq_len, split="train", validation_fraction=1e-9,
+                             cache_dir=tmp_path).num_windows > 0
 
 
 def test_other_bad_inputs(bpe, tmp_path):

@@ -22,12 +22,14 @@ import numpy as np
 import pytest
 
 from experiments.configs import default
-from jaxdp import training
+from jaxdp import noise, training
+from jaxdp.training import run_dir
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CORPUS = REPO / "jaxdp" / "corpora" / "sotu.jsonl.gz"
 
 TINY = {
+    "seed": 0,  # pinned: runs are compared bit for bit (the default, None, draws a secret root per run)
     "steps": 6, "checkpoint_every": 2, "log_every": 1, "eval_every": 2, "eval_windows": 16,
     "eval_batch_size": 8, "num_samples": 1, "sample_tokens": 4, "batch_size": 8,
     "seq_len": 16, "learning_rate": 1e-2, "warmup_steps": 1,
@@ -132,6 +134,7 @@ def test_run_directory_and_learning(reference_run):
     assert summary["val_loss"] < summary["initial_val_loss"]
     assert summary["delta"] == pytest.approx(1 / summary["num_train_windows"])
     assert sorted(os.listdir(workdir / "checkpoints")) == ["6"]  # only the latest is kept
+    assert json.loads((workdir / "config.json").read_text())["seed"] == "pinned (kept in the checkpoint)"
 
 
 def assert_first_metrics_equal(workdir, reference_workdir, *, num_rows):
@@ -184,23 +187,80 @@ def test_same_config_same_metrics(reference_run, corpus, tmp_path):
 
 def test_different_seed_different_metrics(reference_run, corpus, tmp_path):
     workdir, _ = reference_run
-    training.train(tiny_config(corpus, tmp_path / "seed1", seed=1, steps=2), verbose=False)
+    training.train(tiny_config(corpus, tmp_path / "seed1", seed=1), verbose=False)  # reference's compile
     a = training.read_metrics(workdir)[2]["train_loss"]
     assert training.read_metrics(tmp_path / "seed1")[2]["train_loss"] != a
 
 
+def test_fresh_runs_draw_secret_roots(reference_run, corpus, tmp_path):
+    """config.seed None: each run draws its own root (none derivable from config.json); a pinned seed
+    must match the root kept in the checkpoint on resume."""
+    a, b = (training.prepare(tiny_config(corpus, tmp_path / name, seed=None)) for name in "ab")
+    assert a.root_seed != b.root_seed and not a.seed_pinned
+    assert a.config_json["seed"] is None
+    assert a.sampler.seed == noise.derive_seed(a.root_seed, noise.SAMPLER) != b.sampler.seed
+    assert not np.array_equal(a.sampler.sample(0)[0], b.sampler.sample(0)[0])
+    workdir, _ = reference_run
+    with pytest.raises(training.ConfigError, match="config.seed differs from the root seed kept in the checkpoint"):
+        training.prepare(tiny_config(corpus, workdir, seed=1))
+    assert training.prepare(tiny_config(corpus, workdir, seed=None)).root_seed == 0  # the checkpoint's
+
+
+def saved_noise_key(workdir) -> np.ndarray:
+    """The noise key data in the latest checkpoint (fused_clip's state: the only uint32 pair)."""
+    import orbax.checkpoint as ocp
+    checkpointer = run_dir.Checkpointer(workdir / "checkpoints")
+    restored = checkpointer._manager.restore(checkpointer.latest_step(),
+                                             args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    checkpointer.close()
+    (key,) = [x for x in map(np.asarray, restored["state"]["leaves"]) if x.dtype == np.uint32 and x.shape == (2,)]
+    return key
+
+
+def assert_root_seed_stays_private(workdir, root: int, num_steps: int) -> None:
+    """The run's noise came from its root's NOISE domain (not from 9428dda's published seed 0 + 1), and
+    no file outside checkpoints/ holds the root, a seed derived from it, or the noise key."""
+    import jax
+
+    def after_steps(key):  # fused_clip splits its state key once per logical batch
+        for _ in range(num_steps):
+            key, _ = noise.split_step_key(key, 1)
+        return np.asarray(jax.random.key_data(key))
+
+    key0 = noise.key_from_seed(noise.derive_seed(root, noise.NOISE))
+    np.testing.assert_array_equal(saved_noise_key(workdir), after_steps(key0))
+    assert not np.array_equal(saved_noise_key(workdir), after_steps(jax.random.key(0 + 1)))
+    derived = [noise.derive_seed(root, d) for d in (noise.SAMPLER, noise.NOISE, noise.INIT)]
+    key_data = [np.asarray(jax.random.key_data(key0)), after_steps(key0)]
+    needles = ([str(x).encode() for x in [root] + derived] + [f"{root:x}".encode()]
+               + [k.tobytes() for k in key_data] + [k.byteswap().tobytes() for k in key_data]
+               + [str(int(k[0]) << 32 | int(k[1])).encode() for k in key_data])
+    files = [f for f in workdir.rglob("*") if f.is_file()]
+    public = [f for f in files if f.relative_to(workdir).parts[0] != "checkpoints"]
+    assert {f.name for f in public} >= {"config.json", "metrics.jsonl", "summary.json", "samples.txt"}
+    for f in public:
+        data = f.read_bytes()
+        assert not [n for n in needles if n in data], f
+    assert any(str(root).encode() in f.read_bytes() for f in files if f not in public)  # the search works
+
+
 @pytest.mark.parametrize("dp,accumulation", [(True, 1), (True, 2), (False, 2)],
-                         ids=["dp", "dp_accumulation", "non_dp_accumulation"])
+                         ids=["dp_secret_root", "dp_accumulation", "non_dp_accumulation"])
 def test_interrupt_and_resume_equals_uninterrupted(corpus, tmp_path, dp, accumulation):
-    kw = {"dp.enabled": dp, "accumulation_steps": accumulation}
-    full = tmp_path / "full"
-    training.train(tiny_config(corpus, full, **kw), verbose=False)
+    """Interrupted after step 3 (checkpoint at 2) and resumed = uninterrupted, bit for bit. The plain DP
+    case runs with config.seed None: the resume reads the secret root from the checkpoint, and an
+    uninterrupted run pinned to that root gives the same metrics and parameters."""
+    secret = dp and accumulation == 1
+    kw = {"dp.enabled": dp, "accumulation_steps": accumulation, "seed": None if secret else 0}
     resumed = tmp_path / "resumed"
     # Stopped after step 3: the checkpoint is at step 2, metrics of step 3 are already written.
     out = training.train(tiny_config(corpus, resumed, **kw), interrupt_after=3, verbose=False)
     assert out == {"interrupted_at": 3}
     assert training.read_metrics(resumed)[-1]["step"] == 3
+    root = run_dir.latest_checkpoint_meta(resumed / "checkpoints")["root_seed"]
     training.train(tiny_config(corpus, resumed, **kw), verbose=False)
+    full = tmp_path / "full"
+    training.train(tiny_config(corpus, full, **dict(kw, seed=root)), verbose=False)
     assert (resumed / "metrics.jsonl").read_bytes() == (full / "metrics.jsonl").read_bytes()
     for a, b in zip(params_of(full), params_of(resumed), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -208,6 +268,9 @@ def test_interrupt_and_resume_equals_uninterrupted(corpus, tmp_path, dp, accumul
         # epsilon of 6 steps, counted once
         s = json.loads((resumed / "summary.json").read_text())
         assert s["epsilon"] == json.loads((full / "summary.json").read_text())["epsilon"]
+    if secret:
+        assert json.loads((resumed / "config.json").read_text())["seed"] is None
+        assert_root_seed_stays_private(resumed, root, num_steps=6)
 
 
 def test_rerunning_a_finished_run_changes_nothing(reference_run, corpus):

@@ -1,11 +1,12 @@
-"""Tests for jaxdp.sampling: Poisson statistics, reproducibility, layout, overflow."""
+"""Tests for jaxdp.sampling: Poisson statistics, reproducibility, secret seeds, layout, overflow."""
 
 import math
+import secrets
 
 import numpy as np
 import pytest
 
-from jaxdp import sampling
+from jaxdp import noise, sampling
 
 # Tolerances are in standard deviations of the statistic under test. With the
 # seeds fixed the tests are deterministic; Z makes a false failure under a
@@ -90,14 +91,43 @@ def test_different_steps_and_seeds_differ():
     assert not np.array_equal(a.sample(0)[0], b.sample(0)[0])
 
 
-def test_draw_is_default_rng_of_seed_and_step():
-    # Documented contract: step s draws from np.random.default_rng([seed, s]).
-    sampler = sampling.PoissonSampler(300, 30, seed=5)
-    rng = np.random.default_rng([5, 11])
+def test_draw_is_default_rng_of_the_derived_seed():
+    # Documented contract: step s, attempt a draws from
+    # np.random.default_rng(derive_seed(seed, "poisson", s, a)); any int >= 0 is a seed.
+    seed, step = secrets.randbits(200), secrets.randbelow(2**40)
+    sampler = sampling.PoissonSampler(300, 30, seed=seed)
+    rng = np.random.default_rng(noise.derive_seed(seed, "poisson", step, 0))
     size = rng.binomial(300, 0.1)
     expected = np.sort(rng.choice(300, size=size, replace=False, shuffle=False))
-    indices, mask = sampler.sample(11)
+    indices, mask = sampler.sample(step)
     np.testing.assert_array_equal(indices[mask], expected)
+
+
+def _draw_of(rng, n, q):
+    size = rng.binomial(n, q)
+    return np.sort(rng.choice(n, size=size, replace=False, shuffle=False))
+
+
+def test_no_draw_shares_the_stream_of_the_bare_seed():
+    # NumPy drops trailing zeros of a seed list: default_rng([s, 0, 0]) is default_rng(s), which
+    # made step 0's draw the stream that seeded the job's data split. No step may draw from the
+    # bare seed's stream, nor from another step's.
+    seed = secrets.randbelow(2**32)
+    assert np.array_equal(_draw_of(np.random.default_rng([seed, 0, 0]), 300, 0.1),
+                          _draw_of(np.random.default_rng(seed), 300, 0.1))  # the NumPy pitfall
+    sampler = sampling.PoissonSampler(300, 30, seed=seed)
+    bare = _draw_of(np.random.default_rng(seed), 300, 0.1)
+    draws = [tuple(i[m]) for i, m in _batches(sampler, range(20))]
+    assert tuple(bare) not in draws, seed
+    assert len(set(draws)) == 20, seed
+
+
+def test_default_seed_is_secret_and_fresh():
+    a, b = sampling.PoissonSampler(500, 20), sampling.PoissonSampler(500, 20)
+    assert a.seed != b.seed and a.seed >= 0 and b.seed >= 0
+    assert a.seed.bit_length() > 64 or b.seed.bit_length() > 64  # 128-bit draws (2**-64 to fail)
+    assert not np.array_equal(a.sample(0)[0], b.sample(0)[0])
+    assert str(a.seed) not in repr(a)  # a logged sampler does not print its seed
 
 
 # ---------------------------------------------------------------- layout

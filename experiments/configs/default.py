@@ -10,7 +10,7 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
     c = config_dict.ConfigDict()
     c.workdir = "runs/pretrain_gpt2"     # run directory; rerunning the same command resumes it
-    c.seed = 0                           # model init, Poisson sampling, noise key, data split
+    c.seed = config_dict.placeholder(int)  # root of all randomness; None: secret (OS entropy), kept in checkpoints only
     c.steps = 150                        # logical (optimizer) steps; sigma is calibrated for them
     c.checkpoint_every = 50              # steps between checkpoints (one is also written at the end)
     c.log_every = 5                      # steps between metrics.jsonl lines (checkpoint_every % log_every == 0)

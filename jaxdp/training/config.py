@@ -5,6 +5,18 @@ and every input (corpus, tokenizer, an existing run's config) first, so a bad
 value raises `ConfigError` with a one-line message and leaves the workdir as
 it was.
 
+Secret randomness (`jaxdp.noise`). Every random choice of a run derives from
+one root seed through its own domain: the sampler's seed is
+`derive_seed(root, SAMPLER)`, the noise key `key_from_seed(derive_seed(root,
+NOISE))`, the model's initialisation `derive_seed(root, INIT)`, sample i of
+samples.txt `derive_seed(root, SAMPLES, i)` (`Prepared.derive_seed`). The
+root is `config.seed` when set (it then reproduces the run bit for bit, and
+the guarantee assumes it is secret), else 128 bits of OS entropy. It is kept
+only in the checkpoints' meta (the private part of the run directory), and a
+resume reads it from there: `config.json` records only whether it was pinned.
+A run killed before its first checkpoint starts again with a fresh root
+(nothing covered by the guarantee was released).
+
 `config.model.family` picks the architecture, and with it the fields of
 `config.model` (see `MODEL_FIELDS`): "gpt2" (`jaxdp.models.gpt2`,
 `experiments/configs/default.py`) or "llama" (`jaxdp.models.llama`,
@@ -26,13 +38,14 @@ from flax import nnx
 
 from jaxdp import accounting
 from jaxdp import data as data_lib
+from jaxdp import noise as noise_lib
 from jaxdp import norms as norms_lib
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.models.remat import REMAT_POLICIES
 from jaxdp.sampling import OVERFLOW_MODES, PoissonSampler
 from jaxdp.sharding.dp_step import METHODS, check_mesh_strategy
-from jaxdp.training.run_dir import CONFIG_FILE, TOKENIZER_DIR
+from jaxdp.training.run_dir import CHECKPOINT_DIR, CONFIG_FILE, TOKENIZER_DIR, latest_checkpoint_meta
 
 
 class ConfigError(ValueError):
@@ -63,9 +76,9 @@ def model_config(model: Mapping, vocab_size: int, *, dtype: str,
 
 
 def build_model(config: GPT2Config | LlamaConfig, seed: int) -> nnx.Module:
-    """A freshly initialised `GPT2` or `Llama`."""
+    """A freshly initialised `GPT2` or `Llama`; `seed`: any int >= 0 (`jaxdp.noise.key_from_seed`)."""
     cls = GPT2 if isinstance(config, GPT2Config) else Llama
-    return cls(config, rngs=nnx.Rngs(seed))
+    return cls(config, rngs=nnx.Rngs(noise_lib.key_from_seed(seed)))
 
 
 def mesh_size(config) -> int:
@@ -134,8 +147,9 @@ def validate_config(config) -> None:
     for name in ("steps", "checkpoint_every", "log_every", "eval_every", "eval_windows",
                  "eval_batch_size", "batch_size", "accumulation_steps", "seq_len"):
         _positive_int(config, name)
-    _require(isinstance(config.seed, int) and 0 <= config.seed < 2**31,
-             f"config.seed must be an integer in [0, 2**31), got {config.seed!r}")
+    _require(config.seed is None or (isinstance(config.seed, int) and not isinstance(config.seed, bool)
+                                     and config.seed >= 0),
+             f"config.seed must be None (a secret seed) or an integer >= 0, got {config.seed!r}")
     _require(config.checkpoint_every % config.log_every == 0,
              f"config.checkpoint_every ({config.checkpoint_every}) must be a multiple of "
              f"config.log_every ({config.log_every})")
@@ -223,6 +237,12 @@ class Prepared:
     noise_multiplier: float
     delta: float | None
     eval_indices: np.ndarray
+    root_seed: int = dataclasses.field(repr=False)  # secret: kept only in checkpoints
+    seed_pinned: bool
+
+    def derive_seed(self, domain: str, *path: str | int) -> int:
+        """The seed of one use of randomness (`jaxdp.noise.derive_seed` of the root)."""
+        return noise_lib.derive_seed(self.root_seed, domain, *path)
 
 
 def prepare(config, *, progress: Callable | None = None) -> Prepared:
@@ -236,11 +256,13 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
         docs = data_lib.load_documents(config.data.path)
     except ValueError as e:
         raise ConfigError(f"config.data.path: {e}") from None
+    root_seed, seed_pinned = _root_seed(config, workdir)
+    cfg_json["seed"] = PINNED_SEED if seed_pinned else None  # never the seed itself
     saved = workdir / CONFIG_FILE
     if saved.is_file():
         old = json.loads(saved.read_text())
-        diff = sorted(k for k in set(_flat(old)) | set(_flat(cfg_json))
-                      if _flat(old).get(k) != _flat(cfg_json).get(k))
+        diff = sorted(k for k in set(_flat(old)) | set(_flat(cfg_json))  # the seed was checked above
+                      if k != "seed" and _flat(old).get(k) != _flat(cfg_json).get(k))
         if diff:
             raise ConfigError(
                 f"workdir {workdir} holds a run with a different config (differs in: "
@@ -253,8 +275,8 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
             tokenizer = data_lib.make_tokenizer(config.data.tokenizer, docs)
     except (ValueError, ImportError) as e:
         raise ConfigError(f"config.data.tokenizer: {e}") from None
-    kw = dict(validation_fraction=config.data.validation_fraction, seed=config.seed,
-              cache_dir=config.data.cache_dir, progress=progress)
+    kw = dict(validation_fraction=config.data.validation_fraction, cache_dir=config.data.cache_dir,
+              progress=progress)
     try:
         train = data_lib.TokenWindows(docs, tokenizer, config.seq_len, split="train", **kw)
         valid = data_lib.TokenWindows(docs, tokenizer, config.seq_len, split="validation", **kw)
@@ -266,7 +288,8 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     k = config.accumulation_steps
     try:
         sampler = PoissonSampler(n, config.batch_size, max_batch_size=config.max_batch_size,
-                                 seed=config.seed, overflow=config.dp.overflow)
+                                 seed=noise_lib.derive_seed(root_seed, noise_lib.SAMPLER),
+                                 overflow=config.dp.overflow)
     except ValueError as e:
         raise ConfigError(f"sampler: {e}") from None
     if sampler.max_batch_size % k:  # room for k equal micro-batches
@@ -286,7 +309,36 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     m = valid.num_windows
     eval_indices = np.unique(np.linspace(0, m - 1, min(m, config.eval_windows)).astype(np.int64))
     mc = model_config(config.model, tokenizer.vocab_size, dtype=config.dtype, remat=config.remat)
-    return Prepared(config, cfg_json, workdir, tokenizer, train, valid, mc, sampler, sigma, delta, eval_indices)
+    return Prepared(config, cfg_json, workdir, tokenizer, train, valid, mc, sampler, sigma, delta, eval_indices,
+                    root_seed, seed_pinned)
+
+
+PINNED_SEED = "pinned (kept in the checkpoint)"  # config.json's `seed` when config.seed was set
+
+
+def _root_seed(config, workdir: pathlib.Path) -> tuple[int, bool]:
+    """(the run's root seed, whether it was pinned): the latest checkpoint's, else config.seed, else fresh."""
+    meta = latest_checkpoint_meta(workdir / CHECKPOINT_DIR)
+    if meta is not None:
+        _require("root_seed" in meta, f"the checkpoint in {workdir} has no root seed (written before seeds were "
+                                      "secret); pass a new --config.workdir to start another run")
+        _require(config.seed is None or config.seed == meta["root_seed"],
+                 f"config.seed differs from the root seed kept in the checkpoint of {workdir}; leave "
+                 "config.seed unset to resume that run, or pass a new --config.workdir")
+        return int(meta["root_seed"]), bool(meta["seed_pinned"])
+    if config.seed is not None:
+        return int(config.seed), True
+    return _same_on_every_host(noise_lib.secret_seed()), False
+
+
+def _same_on_every_host(seed: int) -> int:
+    """Process 0's `seed` on every host of a multi-host run (each host draws its own otherwise)."""
+    if jax.process_count() == 1:
+        return seed
+    from jax.experimental import multihost_utils
+    words = np.array([(seed >> (32 * i)) & 0xFFFFFFFF for i in range(4)], np.uint32)  # 128 bits
+    words = np.asarray(multihost_utils.broadcast_one_to_all(words))
+    return sum(int(w) << (32 * i) for i, w in enumerate(words))
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxdp import data as data_lib
+from jaxdp import noise as noise_lib
 from jaxdp.training.config import ConfigError, Prepared, build_model, model_config
 from jaxdp.training.run_dir import (
     CHECKPOINT_DIR,
@@ -22,11 +23,14 @@ from jaxdp.training.run_dir import (
 
 
 def generate(model: nnx.Module, prompt: list[int], num_tokens: int, *, seed: int = 0,
-             temperature: float = 1.0, top_k: int | None = 40) -> list[int]:
-    """Samples `num_tokens` continuation ids of `prompt` (a fixed-shape window of the model's length)."""
+             key: jax.Array | None = None, temperature: float = 1.0, top_k: int | None = 40) -> list[int]:
+    """Samples `num_tokens` continuation ids of `prompt` (a fixed-shape window of the model's length).
+
+    The sampling key is `key`, else `jax.random.key(seed)`.
+    """
     T = model.config.seq_len
     ids = list(prompt)[-(T - 1):] if len(prompt) >= T else list(prompt)
-    key = jax.random.key(seed)
+    key = jax.random.key(seed) if key is None else key
     out = []
     for _ in range(num_tokens):
         window = ids[-T:]
@@ -58,7 +62,8 @@ def write_samples(model, p: Prepared, config) -> None:
     picks = np.linspace(0, p.valid.num_windows - 1, config.num_samples).astype(np.int64)
     for i, w in enumerate(picks):
         prompt = p.valid.get(np.array([w]))[0, :prompt_len].tolist()
-        cont = generate(model, prompt, config.sample_tokens, seed=config.seed + i)
+        cont = generate(model, prompt, config.sample_tokens,
+                        key=noise_lib.key_from_seed(p.derive_seed(noise_lib.SAMPLES, i)))
         parts.append(f"=== sample {i + 1} (validation window {int(w)}) ===\n"
                      f"[prompt] {p.tokenizer.decode(prompt)}\n"
                      f"[continuation] {p.tokenizer.decode(cont)}\n")
@@ -77,7 +82,8 @@ def load_for_generation(workdir) -> tuple[nnx.Module, data_lib.Tokenizer, dict]:
     cfg = json.loads((workdir / CONFIG_FILE).read_text())
     tokenizer = data_lib.Tokenizer.load(workdir / TOKENIZER_DIR)
     model_json = dict({"family": "gpt2"}, **cfg["model"])
-    model = build_model(model_config(model_json, tokenizer.vocab_size, dtype=cfg["dtype"], remat=False), seed=0)
+    model = build_model(model_config(model_json, tokenizer.vocab_size, dtype=cfg["dtype"], remat=False),
+                        seed=0)  # overwritten by the saved parameters
     checkpointer = Checkpointer(workdir / CHECKPOINT_DIR)
     step = checkpointer.latest_step()
     if step is None:

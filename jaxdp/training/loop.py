@@ -1,7 +1,7 @@
 """The training loop: `train(config)` runs (or resumes) one pretraining job and returns its summary.
 
 Poisson sampling on the host (`jaxdp.sampling`; the draw of step s depends
-only on (seed, s)), one jitted step per micro-batch (`jaxdp.training.steps`),
+only on (the sampler's seed, s)), one jitted step per micro-batch (`jaxdp.training.steps`),
 the privacy accountant (`jaxdp.accounting.BudgetTracker`), which stops
 training BEFORE the step that would exceed `dp.target_epsilon`, metrics,
 evaluation and checkpoints in the run directory (`jaxdp.training.run_dir`).
@@ -11,7 +11,8 @@ With `mesh.data * mesh.seq > 1` the DP step runs on a (data, seq) mesh
 Resume: rerunning with the same config restores the latest checkpoint and
 drops the `metrics.jsonl` lines after it, so an interrupted-and-resumed run
 writes exactly the metrics of an uninterrupted one (steps, hence epsilon, are
-restored, never counted twice).
+restored, never counted twice; the root seed of every random choice is read
+from the checkpoint, see `jaxdp.training.config`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from flax import nnx
 
 from jaxdp import accounting
 from jaxdp import data as data_lib
+from jaxdp import noise as noise_lib
 from jaxdp.training.config import Prepared, build_model, prepare, runs_sharded_step
 from jaxdp.training.generation import write_samples
 from jaxdp.training.run_dir import (
@@ -77,6 +79,9 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     """
     p = prepared or prepare(config, progress=data_lib.stderr_progress if verbose else None)
     workdir = p.workdir
+    if p.seed_pinned:
+        log("config.seed is pinned: the privacy guarantee assumes this seed is secret "
+            "(it reproduces the noise and the batches)", verbose)
     # ---- from here on the workdir is written
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / CONFIG_FILE).write_text(json.dumps(p.config_json, indent=2, sort_keys=True) + "\n")
@@ -87,9 +92,10 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     k = config.accumulation_steps
     sampler = p.sampler
     q = sampler.sampling_probability
-    model = build_model(p.model_config, config.seed)
+    model = build_model(p.model_config, p.derive_seed(noise_lib.INIT))
     optimizer = make_optimizer(config, model, noise_multiplier=p.noise_multiplier,
-                               expected_batch_size=config.batch_size)
+                               expected_batch_size=config.batch_size,
+                               noise_key=noise_lib.key_from_seed(p.derive_seed(noise_lib.NOISE)))
     tracker = None
     if dp:
         tracker = accounting.BudgetTracker(p.noise_multiplier, q, p.delta,
@@ -160,7 +166,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
                 metrics_f.flush()
                 progress.update(n, row["train_loss"], tps, eps)
             if n % config.checkpoint_every == 0 and n != config.steps:
-                checkpointer.save(n, model, optimizer, _meta(n, tracker))
+                checkpointer.save(n, model, optimizer, _meta(n, tracker, p))
             if interrupt_after is not None and n >= interrupt_after:
                 progress.close()
                 return {"interrupted_at": n}
@@ -185,7 +191,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
             rows.append(row)
         write_metrics(workdir, rows)
     if checkpointer.latest_step() != last:
-        checkpointer.save(last, model, optimizer, _meta(last, tracker))
+        checkpointer.save(last, model, optimizer, _meta(last, tracker, p))
     checkpointer.close()
 
     final = rows[-1]
@@ -222,5 +228,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     return summary
 
 
-def _meta(step: int, tracker) -> dict:
-    return {"step": step, "accountant": tracker.state_dict() if tracker is not None else None}
+def _meta(step: int, tracker, p: Prepared) -> dict:
+    """The checkpoint's JSON: the private part of the run directory, the only place of the root seed."""
+    return {"step": step, "accountant": tracker.state_dict() if tracker is not None else None,
+            "root_seed": p.root_seed, "seed_pinned": p.seed_pinned}

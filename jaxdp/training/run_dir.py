@@ -1,10 +1,12 @@
 """The run directory: orbax checkpoints, `metrics.jsonl`, plots, and the progress line.
 
-    <workdir>/config.json      the run's config (a rerun with another config is refused)
+    <workdir>/config.json      the run's config (a rerun with another config is refused); its
+                              `seed` is null or "pinned (kept in the checkpoint)", never the seed
              metrics.jsonl    one JSON line per logged step: step, train_loss, epsilon[, val_loss]
              tokenizer/       the tokenizer (trained BPE or GPT-2), reloaded on resume
-             checkpoints/<s>/ parameters, optimizer state (with the noise PRNG key), accountant
-                              state and step; only the latest is kept
+             checkpoints/<s>/ parameters, optimizer state (with the noise PRNG key), and a JSON
+                              meta: step, accountant state, the run's root seed; only the latest
+                              is kept. PRIVATE: the root seed and the key reproduce the noise.
              summary.json, loss.png, epsilon.png, samples.txt
 """
 
@@ -51,6 +53,11 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    def restore_meta(self, step: int) -> dict:
+        """The JSON meta of checkpoint `step` alone (step, accountant state, root seed)."""
+        ocp = self._ocp
+        return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
 
     def save(self, step: int, model, optimizer, meta: dict) -> None:
         ocp = self._ocp
@@ -110,6 +117,18 @@ def write_metrics(workdir: pathlib.Path, rows: list[dict]) -> None:
     tmp = workdir / (METRICS_FILE + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, workdir / METRICS_FILE)
+
+
+def latest_checkpoint_meta(directory: pathlib.Path) -> dict | None:
+    """The meta of the latest checkpoint under `directory`, or None; creates nothing."""
+    if not directory.is_dir():
+        return None
+    checkpointer = Checkpointer(directory)
+    try:
+        step = checkpointer.latest_step()
+        return None if step is None else checkpointer.restore_meta(step)
+    finally:
+        checkpointer.close()
 
 
 def read_json(path) -> dict | None:

@@ -42,23 +42,32 @@ def cp_lm_losses(model: nnx.Module, batch) -> jax.Array:
 # ------------------------------------------------------------------ optimizer
 
 
-def make_optimizer(config, model: nnx.Module, *, noise_multiplier: float,
-                   expected_batch_size: float) -> nnx.Optimizer:
-    """adamw (wrapped in MultiSteps when accumulating), behind `fused_clip` when DP is on."""
+def make_optimizer(config, model: nnx.Module, *, noise_multiplier: float, expected_batch_size: float,
+                   noise_key: jax.Array | None) -> nnx.Optimizer:
+    """adamw (wrapped in MultiSteps when accumulating), behind `fused_clip` when DP is on.
+
+    `noise_key`: the run's noise key (required with DP), written into fused_clip's state.
+    """
     dp = config.dp
     tx = _make_tx(config.accumulation_steps, config.learning_rate, config.min_lr_ratio,
                   config.warmup_steps, config.steps, config.b1, config.b2, config.weight_decay,
                   dp.enabled, dp.l2_norm_clip, float(noise_multiplier), float(expected_batch_size),
-                  config.seed + 1, dp.clipping, dp.clip_fn,
-                  "auto" if dp.strategy == "reference" else dp.strategy)
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+                  dp.clipping, dp.clip_fn, "auto" if dp.strategy == "reference" else dp.strategy)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    if dp.enabled:
+        if noise_key is None:
+            raise ValueError("make_optimizer: DP needs the run's noise_key")
+        optimizer.opt_state[0].noise_key.set_value(noise_key)
+    return optimizer
 
 
 # Cached: the transformation is stateless, and reusing the same object keeps the
-# optimizer's static graph equal, so the jitted step is not recompiled per run.
+# optimizer's static graph equal, so the jitted step is not recompiled per run. So
+# the run's noise key is not in it: `make_optimizer` writes it into the state (the
+# secret key fused_clip draws here is only a placeholder, shared by runs).
 @functools.lru_cache(maxsize=64)
 def _make_tx(k, learning_rate, min_lr_ratio, warmup_steps, steps, b1, b2, weight_decay,
-             dp_enabled, l2_norm_clip, noise_multiplier, expected_batch_size, seed, clipping,
+             dp_enabled, l2_norm_clip, noise_multiplier, expected_batch_size, clipping,
              clip_fn, strategy) -> optax.GradientTransformation:
     warmup = min(warmup_steps, max(steps - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
@@ -69,7 +78,7 @@ def _make_tx(k, learning_rate, min_lr_ratio, warmup_steps, steps, b1, b2, weight
         return inner
     return optax.chain(
         fused_clip(l2_norm_clip, noise_multiplier, expected_batch_size=expected_batch_size,
-                   key=jax.random.key(seed), clipping=clipping, clip_fn=clip_fn, strategy=strategy,
+                   key=None, clipping=clipping, clip_fn=clip_fn, strategy=strategy,
                    accumulation_steps=k),
         inner)
 
@@ -139,11 +148,10 @@ class ShardedTrainer:
         dp = config.dp
         inner = _make_tx(1, config.learning_rate, config.min_lr_ratio, config.warmup_steps, config.steps,
                          config.b1, config.b2, config.weight_decay, False, dp.l2_norm_clip,
-                         float(noise_multiplier), float(config.batch_size), config.seed + 1,
-                         dp.clipping, dp.clip_fn, dp.strategy)
-        self.step = sharding.ShardedDPStep(
+                         float(noise_multiplier), float(config.batch_size), dp.clipping, dp.clip_fn, dp.strategy)
+        self.step = sharding.ShardedDPStep(  # the run's noise key, from fused_clip's state in `optimizer`
             cp_lm_losses, inner, mesh, l2_norm_clip=dp.l2_norm_clip, noise_multiplier=float(noise_multiplier),
-            expected_batch_size=float(config.batch_size), key=jax.random.key(config.seed + 1),
+            expected_batch_size=float(config.batch_size), key=optimizer.opt_state[0].noise_key.get_value(),
             zero_stage=config.mesh.zero_stage, clipping=dp.clipping, clip_fn=dp.clip_fn, strategy=dp.strategy,
             method=dp.method)
         self.load()
