@@ -1,26 +1,34 @@
-"""One full DP-Adam training step per method, FlashDP's Table 1 layout: tokens/s and peak memory vs non-DP.
+"""One full DP-Adam step per method (FlashDP's Table 1 layout): tokens/s, peak memory and compile time vs non-DP.
 
-    python -m experiments.bench_throughput                       # GPT-2 S/M/L, seq 1024, B 1/2/4/8 (GPU)
-    python -m experiments.bench_throughput --smoke               # tiny GPT-2 on CPU, seconds
+    python -m experiments.bench_throughput                  # the default grid on a GPU (under 10 min on an H100)
+    python -m experiments.bench_throughput --target=h100    # predicted: XLA:GPU deviceless compile, no GPU
+    python -m experiments.bench_throughput --smoke          # tiny GPT-2 on CPU, seconds
 
-Methods (flat clipping unless named):
-  non_dp            ordinary step, mean loss, Adam
+Configurations are `model:micro_batch:seq_len` (default: GPT-2 small at seq 1024 with
+micro-batch 4 and 16, and at seq 16384 with micro-batch 1). Methods (flat clipping unless named):
+  non_dp            ordinary step, mean loss, Adam: the baseline (cuDNN attention on GPU, as every method)
   explicit          jax.vmap(jax.grad) per-example gradients (jaxdp.reference; jax_privacy / Opacus style)
-  ghost_2nd_bwd     ghost norms, then a second backward pass of sum_b c_b L_b (ghost clipping)
-  bookkeeping_xla   jaxdp fused_clip, strategy="ghost" (norms from kept x, g; one clipped GEMM per layer)
-  auto_flat         jaxdp fused_clip, strategy="auto"
-  pallas_flat       jaxdp fused_clip, strategy="pallas"
-  pallas_per_layer  jaxdp fused_clip, strategy="pallas", clipping="per_layer"
+  two_pass          jaxdp.two_pass_clipped_sums: norms inside the backward, then a clip-weighted backward
+  ghost             fused_clip, strategy="ghost" (book-keeping: norms from kept x, g; one clipped GEMM per layer)
+  store             fused_clip, strategy="store" (per-example gradients kept: no clipped-sum GEMM)
+  auto              fused_clip, strategy="auto" (per layer: ghost / instantiate / store by device rates)
+  pallas_flat       fused_clip, strategy="pallas"
+  pallas_per_layer  fused_clip, strategy="pallas", clipping="per_layer" (single-pass kernel)
 Every configuration runs in its own process so its peak memory is clean; the
-parent prints a markdown table (ratios to non_dp of the same model and batch)
-and writes JSON. Peak memory: device.memory_stats()["peak_bytes_in_use"]
-where the backend reports it, else the compiled step's memory_analysis().
+parent prints a markdown table (ratios to non_dp of the same configuration)
+and writes JSON. Peak memory: device.memory_stats()["peak_bytes_in_use"] where
+the backend reports it, else the compiled step's memory_analysis(). With
+`--target`, nothing runs: each row is the compiled step's bytes, its FLOPs,
+bytes and kernel launches read from the optimized HLO (`jaxdp.hlo_cost`) and
+their roofline time with the target's rates (`jaxdp.device_rates`), and the
+compile time on this machine.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,23 +37,23 @@ from absl import app, flags
 
 from experiments._results import write_results
 
-METHODS = ("non_dp", "explicit", "ghost_2nd_bwd", "bookkeeping_xla", "auto_flat", "pallas_flat",
-           "pallas_per_layer")
-MODELS = flags.DEFINE_list("models", ["small", "medium", "large"], "GPT-2 presets")
-BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8"], "micro-batch sizes")
-SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "tokens per example")
-METHODS_FLAG = flags.DEFINE_list("methods", list(METHODS), "methods to run")
+METHODS = ("non_dp", "explicit", "two_pass", "ghost", "store", "auto", "pallas_flat", "pallas_per_layer")
+CONFIGS = flags.DEFINE_list("configs", ["small:4:1024", "small:16:1024", "small:1:16384"],
+                            "model:micro_batch:seq_len of GPT-2 presets")
+METHODS_FLAG = flags.DEFINE_list("methods", list(METHODS), "methods to run (non_dp is always added)")
 DTYPE = flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
+ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "xla", "cudnn"], "attention implementation")
 STEPS = flags.DEFINE_integer("steps", 10, "timed steps (median reported)")
 WARMUP = flags.DEFINE_integer("warmup", 3, "untimed steps after compilation")
+TARGET = flags.DEFINE_enum("target", None, ["h100"], "compile for this GPU without one (predictions only)")
 OUT = flags.DEFINE_string("out", "benchmarks/bench_throughput.json", "JSON output path")
 SMOKE = flags.DEFINE_boolean("smoke", False, "tiny GPT-2, seq 32, B 2, 2 steps: a CPU check")
 CHILD = flags.DEFINE_string("child", None, "internal: run one configuration (JSON) and print its result")
 TIMEOUT = flags.DEFINE_integer("timeout", 1800, "seconds per configuration")
 
 
-def _step_fn(method: str, model_name: str, B: int, T: int, dtype: str, vocab: int):
-    """(jitted step, state, batch) of one configuration."""
+def _step_fn(cfg: dict):
+    """(jitted step, model/optimizer state, batch, key), abstract (shapes only) when `cfg["target"]` is set."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -54,24 +62,30 @@ def _step_fn(method: str, model_name: str, B: int, T: int, dtype: str, vocab: in
     import jaxdp
     from jaxdp.models.gpt2 import GPT2, GPT2Config
 
+    method, B, T = cfg["method"], cfg["B"], cfg["T"]
+
     def losses_fn(model, batch):
         logits = model(batch["tokens"][:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean(-1)
 
-    config = GPT2Config.preset(model_name, seq_len=T, dtype=dtype, vocab_size=vocab)
-    model = GPT2(config, rngs=nnx.Rngs(0))
+    config = GPT2Config.preset(cfg["model"], seq_len=T, dtype=cfg["dtype"], vocab_size=cfg["vocab"],
+                               attention=cfg["attention"])
     C, sigma, expected_B = 1.0, 0.8, float(B)
-    dp_kw = dict(expected_batch_size=expected_B)
-    if method in ("non_dp", "ghost_2nd_bwd"):
+    if method in ("non_dp", "two_pass"):
         tx = optax.adam(1e-4)
     else:
         clipping = "per_layer" if method == "pallas_per_layer" else "flat"
-        strategy = {"explicit": "auto", "bookkeeping_xla": "ghost", "auto_flat": "auto"}.get(method, "pallas")
-        tx = optax.chain(jaxdp.fused_clip(C, sigma, clipping=clipping, strategy=strategy, **dp_kw),
-                         optax.adam(1e-4))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
+        strategy = {"explicit": "auto", "ghost": "ghost", "store": "store", "auto": "auto"}.get(method, "pallas")
+        tx = optax.chain(jaxdp.fused_clip(C, sigma, expected_batch_size=expected_B, clipping=clipping,
+                                          strategy=strategy), optax.adam(1e-4))
+
+    def build():
+        model = GPT2(config, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    graphdef, state = nnx.split(nnx.eval_shape(build) if cfg.get("target") else build())
     grads_fn = jaxdp.per_example_grads(losses_fn)
+    two_pass = jaxdp.two_pass_clipped_sums(losses_fn, C)
 
     def grads_of(model, batch, key):
         if method == "non_dp":
@@ -80,16 +94,10 @@ def _step_fn(method: str, model_name: str, B: int, T: int, dtype: str, vocab: in
             _, per_example = jaxdp.reference.per_example_grads(losses_fn, model, batch)
             flat = list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
             return nnx.from_flat_state([(p, v.replace(per_example[tuple(p)])) for p, v in flat])
-        if method == "ghost_2nd_bwd":
-            _, factored = grads_fn(model, batch)
-            _, norms = jaxdp.clipped_aggregate(factored, C, strategy="ghost")  # the sums are dead code
-            n = norms["all"]
-            c = jnp.where(jnp.isfinite(n), jnp.minimum(1.0, C / n), 0.0)
-            summed = nnx.grad(lambda m: jnp.sum(jax.lax.stop_gradient(c) * losses_fn(m, batch)))(model)
-            leaves, treedef = jax.tree.flatten(summed)
-            keys = jax.random.split(key, len(leaves))
-            return jax.tree.unflatten(treedef, [(s + sigma * C * jax.random.normal(k, s.shape, s.dtype)) / expected_B
-                                                for s, k in zip(leaves, keys)])
+        if method == "two_pass":
+            _, sums, _ = two_pass(model, batch)
+            _, noisy = jaxdp.noise.add_noise(sums, key, jaxdp.noise.noise_std(C, sigma))
+            return jax.tree.map(lambda s: s / expected_B, noisy)
         return grads_fn(model, batch)[1]
 
     @jax.jit
@@ -98,17 +106,34 @@ def _step_fn(method: str, model_name: str, B: int, T: int, dtype: str, vocab: in
         optimizer.update(model, grads_of(model, batch, key))
         return nnx.state((model, optimizer))
 
-    tokens = jax.random.randint(jax.random.key(1), (B, T + 1), 0, vocab)
-    return step, state, {"tokens": tokens}
+    batch = {"tokens": jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg["vocab"])}
+    key = jax.random.key(2)
+    if cfg.get("target"):
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        from jaxdp.hlo_cost import target_devices
+        replicated = NamedSharding(Mesh(target_devices(cfg["target"], 1), ("x",)), PartitionSpec())
+        abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
+        state, batch, key = jax.tree.map(abstract, (state, batch, key))
+    return step, state, batch, key
 
 
 def run_one(cfg: dict) -> dict:
     import jax
     import numpy as np
-    step, state, batch = _step_fn(cfg["method"], cfg["model"], cfg["B"], cfg["T"], cfg["dtype"], cfg["vocab"])
-    key = jax.random.key(2)
-    compiled = step.lower(state, batch, key).compile()
+    step, state, batch, key = _step_fn(cfg)
+    t0 = time.perf_counter()
+    compiled = step.trace(state, batch, key).lower().compile()
+    compile_s = time.perf_counter() - t0
     analysis = compiled.memory_analysis()
+    compiled_bytes = (analysis.temp_size_in_bytes + analysis.argument_size_in_bytes
+                      + analysis.output_size_in_bytes - analysis.alias_size_in_bytes) if analysis else None
+    row = dict(cfg, status="ok", compile_s=compile_s, compiled_bytes=compiled_bytes)
+    if cfg.get("target"):
+        from jaxdp import device_rates, hlo_cost
+        rates = device_rates.H100
+        return dict(row, **hlo_cost.summary(hlo_cost.step_cost(compiled), rates, cfg["dtype"]),
+                    peak_bytes=compiled_bytes, peak_source="memory_analysis")
     for _ in range(cfg["warmup"]):
         state = compiled(state, batch, key)
     jax.block_until_ready(state)
@@ -118,21 +143,20 @@ def run_one(cfg: dict) -> dict:
         state = jax.block_until_ready(compiled(state, batch, key))
         times.append(time.perf_counter() - t0)
     stats = jax.devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
-    source = "peak_bytes_in_use"
-    if peak is None and analysis is not None:
-        peak = (analysis.temp_size_in_bytes + analysis.argument_size_in_bytes
-                + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
-        source = "memory_analysis"
+    peak, source = stats.get("peak_bytes_in_use"), "peak_bytes_in_use"
+    if peak is None:
+        peak, source = compiled_bytes, "memory_analysis"
     median = float(np.median(times))
-    return dict(cfg, status="ok", step_s=median, tokens_per_s=cfg["B"] * cfg["T"] / median,
-                peak_bytes=peak, peak_source=source)
+    return dict(row, step_s=median, tokens_per_s=cfg["B"] * cfg["T"] / median, peak_bytes=peak, peak_source=source)
 
 
 def _spawn(cfg: dict) -> dict:
     cmd = [sys.executable, "-m", "experiments.bench_throughput", f"--child={json.dumps(cfg)}"]
+    # A deviceless GPU compile: no CUDA driver to check, and the Pallas kernels compile (not interpret).
+    deviceless = dict(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", JAXDP_PALLAS_INTERPRET="0")
+    env = dict(os.environ, **deviceless) if cfg.get("target") else None
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT.value)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT.value, env=env)
     except subprocess.TimeoutExpired:
         return dict(cfg, status="timeout")
     if proc.returncode == 0:
@@ -142,14 +166,24 @@ def _spawn(cfg: dict) -> dict:
     return dict(cfg, status="OOM" if oom else "error", error=err.strip().splitlines()[-1:] or [""])
 
 
-def _fmt(row, base):
+def _ratio(row, base, key, fmt):
+    value = row.get(key)
+    if value is None:
+        return ["-", "-"]
+    ok = base is not None and base.get("status") == "ok" and base.get(key)
+    return [fmt(value), f"{value / base[key]:.2f}" if ok else "-"]
+
+
+def _cells(row, base, predicted: bool) -> list[str]:
     if row["status"] != "ok":
-        return [row["status"]] * 4
-    tps, mem = row["tokens_per_s"], row["peak_bytes"]
-    if base is None or base.get("status") != "ok":
-        return [f"{tps:,.0f}", "-", f"{mem / 2**20:,.0f}" if mem else "-", "-"]
-    return [f"{tps:,.0f}", f"{tps / base['tokens_per_s']:.2f}", f"{mem / 2**20:,.0f}" if mem else "-",
-            f"{mem / base['peak_bytes']:.2f}" if mem and base["peak_bytes"] else "-"]
+        return [row["status"]] * (9 if predicted else 7)
+    mem = _ratio(row, base, "peak_bytes", lambda b: f"{b / 2**20:,.0f}")
+    comp = _ratio(row, base, "compile_s", lambda s: f"{s:.0f}")
+    if predicted:  # time ratio: the non-DP roofline over this one's (a tokens/s ratio)
+        ms = row["roofline_ms"]
+        speed = f"{base['roofline_ms'] / ms:.2f}" if base and base.get("status") == "ok" else "-"
+        return [f"{ms:.1f}", speed, f"{row['gflop']:,.0f}", f"{row['gbytes']:.1f}", str(row["launches"])] + mem + comp
+    return _ratio(row, base, "tokens_per_s", lambda t: f"{t:,.0f}") + mem + comp + [row["peak_source"]]
 
 
 def main(argv):
@@ -159,27 +193,36 @@ def main(argv):
         return
     import jax
     if SMOKE.value:
-        models, batch_sizes, T, steps, warmup, vocab, dtype = ["tiny"], [2], 32, 2, 1, 97, "float32"
+        configs, steps, warmup, vocab, dtype = [("tiny", 2, 32)], 2, 1, 97, "float32"
     else:
-        models, batch_sizes, T = MODELS.value, [int(b) for b in BATCH_SIZES.value], SEQ_LEN.value
+        configs = [(m, int(b), int(t)) for m, b, t in (c.split(":") for c in CONFIGS.value)]
         steps, warmup, vocab, dtype = STEPS.value, WARMUP.value, 50257, DTYPE.value
-    methods = METHODS_FLAG.value if "non_dp" in METHODS_FLAG.value else ["non_dp"] + METHODS_FLAG.value
+    target = TARGET.value
+    attention = "cudnn" if target and ATTENTION.value == "auto" else ATTENTION.value
+    methods = ["non_dp"] + [m for m in METHODS_FLAG.value if m != "non_dp"]
+    where = f"predicted for {target} (XLA:GPU deviceless compile on {jax.devices()[0].device_kind})" if target else \
+        f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})"
+    print(f"{where}, jax {jax.__version__}, {datetime.date.today()}, {dtype}, attention {attention}\n")
+    if target:
+        print("| model | B | T | method | roofline ms | vs non-DP (speed) | GFLOP | GB moved | launches | "
+              "MiB | vs non-DP | compile s | vs non-DP |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    else:
+        print("| model | B | T | method | tokens/s | vs non-DP | peak MiB | vs non-DP | compile s | vs non-DP | "
+              "memory |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
-    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
-          f"{datetime.date.today()}, seq {T}, {dtype}\n")
-    print("| model | B | method | tokens/s | vs non-DP | peak MiB | vs non-DP |")
-    print("|---|---|---|---|---|---|---|")
-    for model in models:
-        for B in batch_sizes:
-            base = None
-            for method in methods:
-                cfg = dict(model=model, B=B, T=T, method=method, dtype=dtype, vocab=vocab,
-                           steps=steps, warmup=warmup)
-                row = _spawn(cfg)
-                base = row if method == "non_dp" else base
-                rows.append(row)
-                print(f"| {model} | {B} | {method} | " + " | ".join(_fmt(row, base)) + " |", flush=True)
-    write_results(OUT.value, rows)
+    for model, B, T in configs:
+        base = None
+        for method in methods:
+            cfg = dict(model=model, B=B, T=T, method=method, dtype=dtype, vocab=vocab, attention=attention,
+                       steps=steps, warmup=warmup, target=target)
+            row = _spawn(cfg)
+            base = row if method == "non_dp" else base
+            rows.append(row)
+            print(f"| {model} | {B} | {T} | {method} | " + " | ".join(_cells(row, base, bool(target))) + " |",
+                  flush=True)
+    write_results(OUT.value, rows, target=target)
 
 
 if __name__ == "__main__":

@@ -60,9 +60,10 @@ def schedule(model: str, seq: int, T: int, remat: str, dtype: str, target: str |
              method: str = "bookkeeping") -> list[dict]:
     from flax import nnx
 
+    from jaxdp.hlo_cost import target_devices
     from jaxdp.sharding import make_mesh
 
-    mesh = make_mesh(1, seq, devices=long_context.devices(target, seq))
+    mesh = make_mesh(1, seq, devices=target_devices(target, seq))
     step, build = long_context._step(long_context._model(model, T, dtype, remat), private, mesh, 1, 0, method)
     state = nnx.eval_shape(lambda: step.init(build()))
     return collective_pairs(step.lower(state, long_context._batch(1, T)).compile().as_text())

@@ -29,7 +29,7 @@ every layer's input and output gradient until all norms are known;
 clip-weighted backward) at the cost of a second forward and backward.
 
 `--target=h100` compiles for an H100 without one: XLA:GPU's deviceless
-compile (`jax.experimental.topologies` with `gpu_targets/h100_sxm.txtpb`;
+compile (`jaxdp.hlo_cost.target_devices`: `jax.experimental.topologies` with `jaxdp/gpu_targets/h100_sxm.txtpb`;
 needs `pip install jax-cuda12-plugin==<jax version> jax-cuda12-pjrt==<same>`
 and a `ptxas` on PATH, e.g. from `nvidia-cuda-nvcc-cu12`). The bytes are
 then XLA:GPU's buffer assignment for the chip (compile only: no step runs,
@@ -49,7 +49,6 @@ import datetime
 import json
 import math
 import os
-import pathlib
 import time
 
 from absl import app, flags
@@ -82,25 +81,6 @@ SMOKE_CONFIG = dict(models=["gpt2-tiny", "llama-tiny"], remats=["none", "full"],
 
 
 _FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
-_GPU_TARGETS = {"h100": "h100_sxm.txtpb"}
-
-
-def devices(target: str | None, count: int) -> list:
-    """This machine's devices, or `count` devices of a GPU `target` to compile for (none needed here)."""
-    import jax
-    if target is None:
-        return jax.devices()
-    from jax.experimental import topologies
-    config = (pathlib.Path(__file__).parent / "gpu_targets" / _GPU_TARGETS[target]).read_text()
-    try:
-        topology = topologies.get_topology_desc(target, "cuda", target_config=config, topology=f"1x1x{count}")
-    except Exception as e:  # no CUDA plugin: say what to install
-        raise RuntimeError(f"--target={target} needs JAX's CUDA plugin: pip install "
-                           f"jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__} "
-                           f"(and a ptxas on PATH); got {type(e).__name__}: {e}") from None
-    return list(topology.devices)
-
-
 def _model(name: str, T: int, dtype: str, remat: str):
     from jaxdp.models.gpt2 import GPT2, GPT2Config
     from jaxdp.models.llama import Llama, LlamaConfig
@@ -198,12 +178,13 @@ def measure(name: str, dp: bool, remat: str, data: int, seq: int, cfg: dict) -> 
     import numpy as np
     from flax import nnx
 
+    from jaxdp.hlo_cost import target_devices
     from jaxdp.sharding import make_mesh
 
     if cfg["min_seq_len"] % seq or cfg["max_seq_len"] % seq:
         raise ValueError(f"min_seq_len and max_seq_len must be multiples of seq={seq}")
     target = cfg.get("target")
-    mesh = make_mesh(data, seq, devices=devices(target, data * seq))
+    mesh = make_mesh(data, seq, devices=target_devices(target, data * seq))
     B = cfg["batch_size"] * data
     # XLA:CPU spends most of a compile in LLVM; its optimisation level does not change the buffer
     # assignment that memory_analysis() reports, so the search compiles at -O0 (~4x faster here).

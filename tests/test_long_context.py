@@ -17,6 +17,7 @@ import random
 import pytest
 
 from experiments import long_context
+from jaxdp import hlo_cost
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -78,4 +79,4 @@ def test_gpu_target_without_the_cuda_plugin_says_what_to_install():
     except ImportError:
         pass
     with pytest.raises(RuntimeError, match="pip install jax-cuda12-plugin"):
-        long_context.devices("h100", 1)
+        hlo_cost.target_devices("h100", 1)

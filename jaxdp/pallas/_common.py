@@ -9,6 +9,8 @@ needs every tile dimension >= 16 and a power of two; `block` enforces both.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -27,8 +29,15 @@ def check_implementation(implementation: str) -> None:
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
-    """None: interpret exactly when the default backend is the CPU (no Triton there)."""
-    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+    """None: interpret exactly when the default backend is the CPU (no Triton there), unless the
+    environment sets JAXDP_PALLAS_INTERPRET=0 / 1 (a deviceless compile for a GPU on a CPU machine
+    sets 0: `experiments/bench_throughput.py --target`)."""
+    if interpret is not None:
+        return bool(interpret)
+    forced = os.environ.get("JAXDP_PALLAS_INTERPRET")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return jax.default_backend() == "cpu"
 
 
 def block(dim: int, preferred: int) -> int:

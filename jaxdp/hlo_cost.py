@@ -1,0 +1,173 @@
+"""FLOPs, bytes and kernels of a compiled XLA program, read from its optimized HLO (no device needed).
+
+XLA:GPU can compile for an H100 on a machine without one (`jax.experimental.topologies`,
+`experiments/long_context.py --target=h100`), but such a compile has no cost analysis
+(`Compiled.cost_analysis()` is None). `step_cost(compiled)` reads the optimized HLO
+(`compiled.as_text()`) instead and counts, per run of the program:
+
+  kernels   the instructions that launch device work, at the top level of the
+            entry and of loop bodies / branches: fusions, custom calls (cuBLAS,
+            cuDNN, Triton), copies and unfused ops; not parameters, tuples,
+            bitcasts or the loops themselves;
+  flops     per kernel, 2 x prod(result dims) x prod(contracted dims) of every
+            dot it runs (inside its fused computation, or as a cuBLAS GEMM call),
+            plus cuDNN fused attention: 4 B N T S H forward, 2.5x that backward,
+            halved under a causal mask (cuDNN skips the masked blocks);
+  bytes     per kernel, its operands' and result's bytes: what it reads from and
+            writes to device memory if nothing stays in cache.
+
+`roofline_seconds(cost, rates)` sums max(flops / matmul rate, bytes / bandwidth)
+over kernels: a prediction of the device time, to be checked against a profile.
+Executions per run follow `while` trip counts (`jaxdp.sharding.collectives`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import re
+
+from jaxdp.device_rates import DeviceRates
+from jaxdp.sharding.collectives import _ARRAY, _array_bytes, _counts, parse_hlo
+
+_NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional", "call",
+                "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain"}
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_DIMS = re.compile(r"(lhs|rhs)_(contracting|batch)_dims=\{([0-9,]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    name: str
+    opcode: str
+    flops: float
+    bytes: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    kernels: tuple[Kernel, ...]
+
+    @property
+    def flops(self) -> float:
+        return sum(k.flops * k.count for k in self.kernels)
+
+    @property
+    def bytes(self) -> float:
+        return sum(k.bytes * k.count for k in self.kernels)
+
+    @property
+    def launches(self) -> int:
+        return sum(k.count for k in self.kernels)
+
+
+def _dims(shape_text: str) -> list[int]:
+    m = _ARRAY.search(shape_text)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _dot_flops(result: str, rest: str, shapes: dict[str, str]) -> float:
+    lhs = _OPERAND.findall(rest)[0]
+    dims = {f"{side}_{kind}": [int(d) for d in v.split(",") if d] for side, kind, v in _DIMS.findall(rest)}
+    lhs_dims = _dims(shapes[lhs])
+    return 2.0 * math.prod(_dims(result)) * math.prod(lhs_dims[d] for d in dims.get("lhs_contracting", []))
+
+
+def _custom_call_flops(result: str, rest: str, shapes: dict[str, str]) -> float:
+    target = re.search(r'custom_call_target="([^"]+)"', rest)
+    target = target.group(1) if target else ""
+    operands = [shapes[o] for o in _OPERAND.findall(rest.split("),")[0]) if o in shapes]
+    if "gemm" in target or "matmul" in target:
+        config = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+        contracting = [int(d.strip('"')) for d in config.group(1).split(",") if d] if config else []
+        lhs = _dims(operands[0])
+        return 2.0 * math.prod(_dims(result)) * math.prod(lhs[d] for d in contracting)
+    if "fmha" in target and len(operands) >= 2:
+        q, k = _dims(operands[0]), _dims(operands[1])  # (B, T, N, H), (B, S, K, H) in the call's logical order
+        flops = 4.0 * q[0] * q[1] * q[2] * q[3] * k[1]
+        flops *= 2.5 if "Backward" in target else 1.0
+        return flops / 2 if '"CAUSAL"' in rest or "PADDING_CAUSAL" in rest else flops
+    return 0.0
+
+
+def step_cost(compiled) -> StepCost:
+    """The kernels of a compiled program (a `jax.stages.Compiled` or its optimized HLO text)."""
+    hlo = compiled if isinstance(compiled, str) else compiled.as_text()
+    computations, entry, _ = parse_hlo(hlo)
+    counts = _counts(computations, entry)
+    fused = set()  # computations called by a fusion (or a reduce / sort ...): not a schedule level
+    for instructions in computations.values():
+        for _, _, opcode, rest in instructions:
+            if opcode not in ("while", "conditional", "call"):
+                fused.update(re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", rest))
+    shapes = {c: {name: result for name, result, _, _ in ins} for c, ins in computations.items()}
+    flops_of: dict[str, float] = {}
+    for comp in computations:  # callees first (post order): nested fusions are already summed
+        total = 0.0
+        for name, result, opcode, rest in computations[comp]:
+            if opcode == "dot":
+                total += _dot_flops(result, rest, shapes[comp])
+            elif opcode == "custom-call":
+                total += _custom_call_flops(result, rest, shapes[comp])
+            elif opcode == "fusion":
+                total += sum(flops_of.get(c, 0.0) for c in re.findall(r"\bcalls=%?([\w.\-]+)", rest))
+        flops_of[comp] = total
+    kernels = []
+    for comp, instructions in computations.items():
+        count = counts.get(comp) or 0
+        if comp in fused or not count:
+            continue
+        for name, result, opcode, rest in instructions:
+            if opcode in _NOT_KERNELS or opcode.endswith("-done"):
+                continue
+            if opcode == "fusion":
+                flops = sum(flops_of.get(c, 0.0) for c in re.findall(r"\bcalls=%?([\w.\-]+)", rest))
+            elif opcode == "custom-call":
+                flops = _custom_call_flops(result, rest, shapes[comp])
+            elif opcode == "dot":
+                flops = _dot_flops(result, rest, shapes[comp])
+            else:
+                flops = 0.0
+            args = rest.split("),")[0]
+            operand_bytes = sum(_array_bytes(shapes[comp][o]) for o in dict.fromkeys(_OPERAND.findall(args))
+                                if o in shapes[comp])
+            kernels.append(Kernel(name, opcode, flops, _array_bytes(result) + operand_bytes, count))
+    return StepCost(tuple(kernels))
+
+
+GPU_TARGETS = {"h100": "h100_sxm.txtpb"}  # XLA:GPU target descriptions in jaxdp/gpu_targets/
+
+
+def target_devices(target: str | None, count: int) -> list:
+    """This machine's devices (target None), or `count` devices of a GPU `target` to compile for
+    without one (XLA:GPU's deviceless compile: needs JAX's CUDA plugin and a ptxas, no GPU)."""
+    import jax
+    if target is None:
+        return jax.devices()
+    if target not in GPU_TARGETS:
+        raise ValueError(f"target must be one of {sorted(GPU_TARGETS)} or None, got {target!r}")
+    from jax.experimental import topologies
+    config = (pathlib.Path(__file__).parent / "gpu_targets" / GPU_TARGETS[target]).read_text()
+    try:
+        topology = topologies.get_topology_desc(target, "cuda", target_config=config, topology=f"1x1x{count}")
+    except Exception as e:  # no CUDA plugin: say what to install
+        raise RuntimeError(f"target={target!r} needs JAX's CUDA plugin: pip install "
+                           f"jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__} "
+                           "(and a ptxas on PATH, e.g. nvidia-cuda-nvcc-cu12), and on a machine without a "
+                           f"CUDA driver JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1; got {type(e).__name__}: {e}") from None
+    return list(topology.devices)
+
+
+def roofline_seconds(cost: StepCost, rates: DeviceRates, dtype="bfloat16") -> float:
+    """sum over kernels of max(flops / matmul rate, bytes / bandwidth), times their executions."""
+    R = rates.matmul_rate(dtype)
+    return sum(k.count * max(k.flops / R, k.bytes / rates.bytes_per_s) for k in cost.kernels)
+
+
+def summary(cost: StepCost, rates: DeviceRates, dtype="bfloat16") -> dict:
+    """JSON-ready totals: GFLOP, GB, kernel launches and the roofline milliseconds."""
+    return {"gflop": cost.flops / 1e9, "gbytes": cost.bytes / 1e9, "launches": cost.launches,
+            "roofline_ms": roofline_seconds(cost, rates, dtype) * 1e3}
+
