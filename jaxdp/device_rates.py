@@ -24,12 +24,17 @@ class DeviceRates:
     matmul_flops_per_s: Mapping[str, float]  # by GEMM input dtype ("bfloat16", "float32" at HIGHEST precision)
     bytes_per_s: float                       # copy bandwidth of device memory (read + write bytes / s)
     source: str
+    memory_bytes: float | None = None        # device memory (None: unknown, e.g. a host)
 
     def matmul_rate(self, dtype) -> float:
         name = jnp.dtype(dtype).name
         if name in ("bfloat16", "float16"):
             return self.matmul_flops_per_s["bfloat16"]
         return self.matmul_flops_per_s["float32"]
+
+    def store_budget_bytes(self, default: float) -> float:
+        """What `strategy="auto"` may hold in kept per-example gradients: 1/8 of device memory, or `default`."""
+        return self.memory_bytes / 8 if self.memory_bytes else default
 
     def seconds(self, flops: float, bytes_moved: float, dtype) -> float:
         """The time model: GEMM FLOPs at the matmul rate plus bytes at the copy bandwidth."""
@@ -41,7 +46,8 @@ H100 = DeviceRates(
     {"bfloat16": 8.0e14,   # measured: ~800 TFLOP/s dense bf16 (../shared/DESIGN.md, "Count FLOPs")
      "float32": 6.7e13},   # NOT measured: the FP32 (non-tensor-core) spec figure; f32 norms run at HIGHEST
     3.0e12,                # measured: ~3 TB/s copy (../shared/DESIGN.md)
-    "bf16 rate and copy bandwidth as measured in ../shared/DESIGN.md; float32 from the spec sheet (not measured)")
+    "bf16 rate and copy bandwidth as measured in ../shared/DESIGN.md; float32 from the spec sheet (not measured)",
+    memory_bytes=80e9)     # the 80 GB of HBM3 (spec)
 
 CPU = DeviceRates(
     "cpu",

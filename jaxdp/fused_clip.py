@@ -49,6 +49,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
                       group_weights: Mapping[Hashable, float] | None = None,
                       chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE,
                       memory_budget_bytes: int = norms_lib.DEFAULT_MEMORY_BUDGET_BYTES,
+                      store_budget_bytes: int | None = None,
                       squared_norms_fn: norms_lib.SquaredNormsFn | None = None):
     """Sum over examples of clipped per-example gradients, and per-group norms.
 
@@ -77,7 +78,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
     single = _single_linear_terms(factored, groups) if strategy == "pallas" and squared_norms_fn is None else {}
     stored = {} if squared_norms_fn is not None else _stored_gradients(factored, strategy, chunk_size,
-                                                                         memory_budget_bytes)
+                                                                         memory_budget_bytes, store_budget_bytes)
     sq_by_group: dict = {}
     bound_by_group: dict = {}
     for i, (grad, group) in enumerate(zip(factored, groups)):
@@ -123,7 +124,8 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     return jax.tree.unflatten(treedef, sums), norms
 
 
-def _stored_gradients(factored, strategy: str, chunk_size: int, memory_budget_bytes: int) -> dict:
+def _stored_gradients(factored, strategy: str, chunk_size: int, memory_budget_bytes: int,
+                      store_budget_bytes: int | None) -> dict:
     """{parameter index: per-example gradients (B, *shape)} of the linear layers (with the tied
     embedding's lookups) whose G_b are kept (`jaxdp.norms.plan_stored`): all of them with strategy
     "store", the planned ones with "auto"."""
@@ -133,8 +135,11 @@ def _stored_gradients(factored, strategy: str, chunk_size: int, memory_budget_by
     if strategy == "auto":
         shapes = {i: t.x_BTP.shape + t.g_BTD.shape[-1:] + (jnp.result_type(t.x_BTP, t.g_BTD).itemsize,)
                   for i, t in linear.items()}
-        keep = norms_lib.plan_stored(shapes, device_rates.current(), chunk_size=chunk_size,
-                                     memory_budget_bytes=memory_budget_bytes)
+        rates = device_rates.current()
+        budget = store_budget_bytes if store_budget_bytes is not None else rates.store_budget_bytes(
+            memory_budget_bytes)
+        keep = norms_lib.plan_stored(shapes, rates, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes,
+                                     store_budget_bytes=budget)
         linear = {i: t for i, t in linear.items() if i in keep}
     return {i: norms_lib.per_example_gradients(factored[i]) for i in linear}
 
@@ -216,6 +221,7 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
                group_weights: Mapping[Hashable, float] | None = None,
                chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE,
                memory_budget_bytes: int = norms_lib.DEFAULT_MEMORY_BUDGET_BYTES,
+               store_budget_bytes: int | None = None,
                ) -> optax.GradientTransformation:
     """DP-SGD aggregation: clip per example, sum, add Gaussian noise once per logical batch.
 
@@ -271,8 +277,10 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
       gamma: stability constant of automatic clipping.
       group_weights: optional relative weights w_g: C_g = C sqrt(w_g / sum w).
       chunk_size: examples processed at once by the norm computation.
-      memory_budget_bytes: `strategy="auto"`'s budget: scratch per layer, and
-        the per-example gradients it keeps (`store`), in total.
+      memory_budget_bytes: `strategy="auto"`'s scratch budget per layer.
+      store_budget_bytes: what `strategy="auto"` may hold in kept per-example
+        gradients, in total; None: 1/8 of the device's memory where
+        `jaxdp.device_rates` knows it, else `memory_budget_bytes`.
 
     Returns:
       An `optax.GradientTransformation`.
@@ -310,7 +318,8 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
         del params
         sums, _ = clipped_aggregate(
             grads, l2_norm_clip, clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,
-            group_weights=group_weights, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes)
+            group_weights=group_weights, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes,
+            store_budget_bytes=store_budget_bytes)
         if state.accumulated is not None:
             sums = jax.tree.map(lambda a, s: a + s.astype(a.dtype), state.accumulated, sums)
         is_last = state.micro_step == accumulation_steps - 1

@@ -12,7 +12,9 @@ XLA:GPU can compile for an H100 on a machine without one (`jax.experimental.topo
   flops     per kernel, 2 x prod(result dims) x prod(contracted dims) of every
             dot it runs (inside its fused computation, or as a cuBLAS GEMM call),
             plus cuDNN fused attention: 4 B N T S H forward, 2.5x that backward,
-            halved under a causal mask (cuDNN skips the masked blocks);
+            halved under a causal mask (cuDNN skips the masked blocks), plus the
+            GEMM FLOPs of the jaxdp.pallas kernels (opaque Triton calls: counted
+            from their names and operand shapes);
   bytes     per kernel, its operands' and result's bytes: what it reads from and
             writes to device memory if nothing stays in cache.
 
@@ -84,12 +86,30 @@ def _custom_call_flops(result: str, rest: str, shapes: dict[str, str]) -> float:
         contracting = [int(d.strip('"')) for d in config.group(1).split(",") if d] if config else []
         lhs = _dims(operands[0])
         return 2.0 * math.prod(_dims(result)) * math.prod(lhs[d] for d in contracting)
+    if target == "__gpu$xla.gpu.triton":  # a jaxdp.pallas kernel: FLOPs from its name and operand shapes
+        name = re.search(r'op_name="[^"]*?(\w+)/pallas_call"', rest)
+        return _pallas_flops(name.group(1) if name else "", [_dims(o) for o in operands])
     if "fmha" in target and len(operands) >= 2:
         q, k = _dims(operands[0]), _dims(operands[1])  # (B, T, N, H), (B, S, K, H) in the call's logical order
         flops = 4.0 * q[0] * q[1] * q[2] * q[3] * k[1]
         flops *= 2.5 if "Backward" in target else 1.0
         return flops / 2 if '"CAUSAL"' in rest or "PADDING_CAUSAL" in rest else flops
     return 0.0
+
+
+def _pallas_flops(kernel: str, shapes: list[list[int]]) -> float:
+    """GEMM FLOPs of the jaxdp.pallas kernels (Triton calls are opaque to the HLO): x (B, T, P) or (B T, P)
+    and g (B, T, D) or (B T, D) are the first two operands."""
+    if kernel == "linear_scaled_tile_sum":  # tiles (E, P', D'): c_e-weighted sum
+        return 2.0 * math.prod(shapes[0])
+    if len(shapes) < 2 or kernel not in ("linear_clipped_sum", "linear_sq_norms", "linear_grad_tiles",
+                                         "linear_ghost_sq_norms"):
+        return 0.0
+    x, g = shapes[0], shapes[1]
+    rows, P, D = math.prod(x[:-1]), x[-1], g[-1]
+    if kernel == "linear_ghost_sq_norms":  # Gram tiles of x and g per example: 2 B T^2 (P + D)
+        return 2.0 * rows * x[-2] * (P + D)
+    return 2.0 * rows * P * D
 
 
 def step_cost(compiled) -> StepCost:

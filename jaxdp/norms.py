@@ -18,14 +18,15 @@ Gram matrix never exceeds `chunk_size` x T^2.
 `strategy="auto"` picks ghost or instantiate per pair from `pair_cost`: the
 least time (FLOPs at the device's matmul rate plus bytes at its bandwidth,
 `jaxdp.device_rates`) among the choices whose scratch memory fits
-`memory_budget_bytes`. For a parameter with one linear term (and possibly
+`memory_budget_bytes` (per layer). For a parameter with one linear term (and possibly
 embedding lookups: the tied GPT-2 embedding, `storable`) it may also keep the
 per-example gradients G_b until the clip factors are known (`store`, what
 makes vmap fast at small B x params): the norm squares them and the clipped
 sum is sum_b c_b G_b, so the clipped-sum GEMM x^T diag(c) g is never run. `plan_stored` picks the
-layers where that saves the most time per byte held, within the same budget
-in total (`jaxdp.fused_clip.clipped_aggregate` applies it; `strategy="store"`
-stores every such layer).
+layers where that saves the most time per byte held, within a budget for
+the bytes held in total (`jaxdp.fused_clip.clipped_aggregate` applies it,
+by default with 1/8 of the device's memory; `strategy="store"` stores every
+such layer).
 `strategy="pallas"` computes Linear self pairs with the Pallas kernels of
 `jaxdp.pallas` (ghost or instantiate by FLOPs alone: neither kernel writes
 scratch to memory; interpreted on CPU) and every other pair as "auto"
@@ -224,10 +225,13 @@ def linear_layer_cost(method: str, *, B: int, T: int, P: int, D: int, itemsize: 
 
 
 def plan_stored(shapes: dict, rates: DeviceRates, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> set:
-    """Keys of `shapes` ({key: (B, T, P, D, itemsize)}, linear layers of their own) whose per-example
-    gradients `auto` keeps: where storing is faster than the best of ghost / instantiate, most time
-    saved per byte first, while the bytes held fit `memory_budget_bytes` in total."""
+                memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+                store_budget_bytes: float | None = None) -> set:
+    """Keys of `shapes` ({key: (B, T, P, D, itemsize)}, `storable` parameters) whose per-example
+    gradients `auto` keeps: where storing is faster than the best of ghost / instantiate (whose scratch
+    fits `memory_budget_bytes`), most time saved per byte first, while the bytes held fit
+    `store_budget_bytes` in total (default: `memory_budget_bytes`)."""
+    budget = memory_budget_bytes if store_budget_bytes is None else store_budget_bytes
     gains = []
     for key, (B, T, P, D, itemsize) in shapes.items():
         kw = dict(B=B, T=T, P=P, D=D, itemsize=itemsize, chunk_size=chunk_size)
@@ -239,7 +243,7 @@ def plan_stored(shapes: dict, rates: DeviceRates, *, chunk_size: int = DEFAULT_C
             gains.append(((seconds[other] - seconds["store"]) / held, held, key))
     stored, total = set(), 0
     for _, held, key in sorted(gains, key=lambda g: g[0], reverse=True):
-        if total + held <= memory_budget_bytes:
+        if total + held <= budget:
             stored.add(key)
             total += held
     return stored
