@@ -43,7 +43,8 @@ def _print_summary(s: dict, workdir: str) -> None:
         f"  val loss         {fmt(s['val_loss'])}  (perplexity {fmt(s['val_perplexity'], '.2f')}; "
         f"untrained {fmt(s['initial_val_loss'])})",
         f"  epsilon          {fmt(s['epsilon'], '.4g')}" + ("" if s["dp"] else "  (non-DP baseline)"),
-        f"  delta            {fmt(s['delta'], '.3g')}",
+        f"  delta            {fmt(s['delta'], '.3g')}" + ("" if not s["dp"] else
+        f"  (mechanism {s['delta_mechanism']:.3g} + sampling slack {s['sampling_slack']:.2g})"),
         f"  sigma            {fmt(s['noise_multiplier'], '.4g')}",
         f"  tokens/s         {fmt(s['tokens_per_s'], ',.0f')}",
         f"  params           {s['num_params']:,} ({s['model']})   tokenizer {s['tokenizer']} (vocab {s['vocab_size']})",

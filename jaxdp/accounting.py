@@ -388,6 +388,25 @@ def steps_for_epsilon(
     return lo
 
 
+# ---------------------------------------------------------------- delta
+
+
+def default_delta(num_examples: int) -> float:
+    """10^-d for a data set of N examples with d digits: delta < 1/N, revealing only N's order of magnitude.
+
+    (delta = 1/N, the usual default, would publish N exactly with the guarantee.)
+
+    Example::
+
+      >>> default_delta(21_576), default_delta(1000), default_delta(999)
+      (1e-05, 0.0001, 0.001)
+    """
+    n = operator.index(num_examples)
+    if n < 1:
+        raise ValueError(f"num_examples must be an integer >= 1, got {num_examples!r}")
+    return 10.0 ** -len(str(n))
+
+
 # ---------------------------------------------------------------- tracker
 
 

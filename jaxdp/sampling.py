@@ -50,19 +50,26 @@ neighbour). A coupling argument then gives: if the ideal run is
 
     (epsilon, delta + (1 + e^epsilon) * T * p)-DP.
 
-With the default `max_batch_size` p < 1e-9, but the e^epsilon factor is not
-negligible: at epsilon = 8 and T = 1e4 steps the slack is ~3e-2, far above a
-typical delta. Either pick `max_overflow_probability` so that the slack is well
-below delta (cheap: each factor of 1000 adds about one standard deviation of
-the batch size to `max_batch_size`), or, for "truncate", account for
-truncation exactly: dp_accounting's PLD accountant takes
+`overflow_slack(epsilon, T, p)` is that slack. With the default
+`max_batch_size` p < 1e-9, but the e^epsilon factor is not negligible: at
+epsilon = 8 and T = 1e4 steps the slack is ~3e-2, far above a typical delta.
+So pay it inside delta: `max_batch_size_for_delta(N, q N, T, epsilon, delta)`
+is the smallest `max_batch_size` whose slack is at most delta / 10 (cheap:
+each factor of 1000 in p adds about one standard deviation of the batch size),
+and the accountant then runs at delta - slack. That is what the pretraining
+job does (`jaxdp.training`); it refuses a `max_batch_size` whose slack exceeds
+delta / 10. The alternative, for "truncate", is exact accounting:
+dp_accounting's PLD accountant takes
 `TruncatedSubsampledGaussianDpEvent(num_examples, q, max_batch_size, sigma)`
-(Ganesh 2025, arXiv:2508.15089), which `jaxdp.accounting` does not wrap. With
+(Ganesh 2025, arXiv:2508.15089), which `jaxdp.accounting` does not wrap:
+12-14 s per PLD call on 2 CPU cores, too slow for the job's calibration. With
 the max size 4.5 standard deviations above the mean it cost ~3% more epsilon
 than plain Poisson in one check (N = 1000, q = 0.02, sigma = 1, 100 steps).
-"resample" has no such exact analysis here; only the slack bound applies. In
-"error" mode, restarting a failed run with a new seed is a second draw and must
-be paid for too. jax_privacy's notes on variable batch sizes
+At max_batch_size = q N it is far from plain: N = 1650, q N = 8, 20 steps,
+delta = 1/N, sigma = 0.343 (RDP epsilon 8) gives 24.5 (plain Poisson PLD
+5.63; max_batch_size 30 gives 5.63 too). "resample" has no such exact
+analysis here; only the slack bound applies. In "error" mode, restarting a
+failed run with a new seed is a second draw and must be paid for too. jax_privacy's notes on variable batch sizes
 (docs/sharp_edges_variable_batch_sizes.md) discuss the same trade-offs; Chua
 et al. 2024, arXiv:2411.04205, bound truncation by absorbing it into delta.
 
@@ -135,6 +142,68 @@ def _smallest_max_batch_size(n: int, q: float, max_overflow_probability: float) 
     pmf = _binomial_pmf(n, q, lo, hi)
     tail = np.append(np.cumsum(pmf[::-1])[::-1][1:], 0.0)  # tail[i] = P(X > lo + i)
     return max(1, lo + int(np.argmax(tail < max_overflow_probability)))
+
+
+# ---------------------------------------------------------------- delta slack
+
+DEFAULT_SLACK_FRACTION = 0.1  # the share of delta that overflow may take
+
+
+def overflow_slack(epsilon: float, steps: int, overflow_probability: float) -> float:
+    """(1 + e^epsilon) * steps * p: what overflow adds to delta over `steps` steps (module docstring).
+
+    Args:
+      epsilon: the epsilon of the ideal (never overflowing) run, >= 0.
+      steps: the number of steps T, >= 0.
+      overflow_probability: p, the per-step overflow probability on the larger
+        neighbour (`PoissonSampler.overflow_probability`), in [0, 1].
+
+    Returns:
+      The slack; inf when it overflows a float.
+    """
+    if not 0 <= overflow_probability <= 1 or steps < 0 or epsilon < 0:
+        raise ValueError(f"need epsilon >= 0, steps >= 0, overflow_probability in [0, 1]; got "
+                         f"{epsilon!r}, {steps!r}, {overflow_probability!r}")
+    if overflow_probability == 0 or steps == 0:
+        return 0.0
+    log_slack = _log1p_exp(epsilon) + math.log(steps) + math.log(overflow_probability)
+    return math.exp(log_slack) if log_slack < 709 else math.inf
+
+
+def max_batch_size_for_delta(num_examples: int, expected_batch_size: float, steps: int, epsilon: float,
+                             delta: float, *, slack_fraction: float = DEFAULT_SLACK_FRACTION) -> int:
+    """The smallest max_batch_size whose overflow slack over `steps` steps is at most slack_fraction * delta.
+
+    The slack is `overflow_slack(epsilon, steps, p)` with p = P(Binomial(N + 1,
+    q) > max_batch_size), q = expected_batch_size / N (as
+    `PoissonSampler.overflow_probability`). The result may exceed N (only when
+    no smaller size keeps the slack below the bound; N + 1 never overflows).
+
+    Args:
+      num_examples: N, > 0.
+      expected_batch_size: q * N, in (0, N].
+      steps: T, the most steps the run may take, >= 1.
+      epsilon: the target epsilon (the slack grows with e^epsilon), > 0.
+      delta: the run's total delta, in (0, 1).
+      slack_fraction: the share of delta the slack may take, in (0, 1).
+    """
+    n = operator.index(num_examples)
+    if n <= 0 or not 0 < expected_batch_size <= n:
+        raise ValueError(f"need num_examples > 0 and expected_batch_size in (0, num_examples]; got "
+                         f"{num_examples!r}, {expected_batch_size!r}")
+    if operator.index(steps) < 1 or not epsilon > 0 or not 0 < delta < 1 or not 0 < slack_fraction < 1:
+        raise ValueError(f"need steps >= 1, epsilon > 0, delta and slack_fraction in (0, 1); got "
+                         f"{steps!r}, {epsilon!r}, {delta!r}, {slack_fraction!r}")
+    # (1 + e^epsilon) * steps * p <= slack_fraction * delta, solved for p.
+    log_p = math.log(slack_fraction * delta) - math.log(steps) - _log1p_exp(epsilon)
+    if log_p < math.log(1e-300):  # below the binomial tail's resolution: take no risk
+        return n + 1
+    return _smallest_max_batch_size(n + 1, expected_batch_size / n, math.exp(log_p))
+
+
+def _log1p_exp(x: float) -> float:
+    """log(1 + e^x) without overflow."""
+    return x + math.log1p(math.exp(-x)) if x > 0 else math.log1p(math.exp(x))
 
 
 # ---------------------------------------------------------------- sampler

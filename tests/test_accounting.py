@@ -6,8 +6,10 @@ file runs in a few seconds on 2 CPU cores.
 
 import json
 import math
+import secrets
 
 import dp_accounting
+import numpy as np
 import pytest
 from dp_accounting import pld, rdp
 
@@ -120,6 +122,23 @@ def test_steps_for_epsilon_limits():
     assert accounting.steps_for_epsilon(100.0, 10.0, 0.01, 1e-5, max_steps=50) == 50
     assert accounting.steps_for_epsilon(1.0, 0.0, 0.01, 1e-5) == 0  # no noise: no step
     assert accounting.steps_for_epsilon(0.01, 0.5, 1.0, 1e-5) == 0  # one step is too many
+
+
+# ---------------------------------------------------------------- default delta
+
+
+def test_default_delta_is_below_one_over_n_and_reveals_only_the_magnitude():
+    rng = np.random.default_rng(secrets.randbits(64))
+    for n in [1, 9, 10, 99, 100, 21_576, 10**6] + list(rng.integers(1, 10**9, size=20)):
+        n = int(n)
+        delta = accounting.default_delta(n)
+        assert delta == 10.0 ** -(math.floor(math.log10(n)) + 1), n
+        assert delta < 1 / n, n
+        # N's order of magnitude determines it: any N' with as many digits gives the same delta.
+        assert accounting.default_delta(10 ** (len(str(n)) - 1)) == delta == accounting.default_delta(
+            10 ** len(str(n)) - 1), n
+    with pytest.raises(ValueError, match="num_examples"):
+        accounting.default_delta(0)
 
 
 # ---------------------------------------------------------------- BudgetTracker

@@ -132,9 +132,26 @@ def test_run_directory_and_learning(reference_run):
     assert eps == sorted(eps) and 0 < eps[-1] <= 8.0
     assert summary["epsilon"] == eps[-1] and summary["steps"] == 6
     assert summary["val_loss"] < summary["initial_val_loss"]
-    assert summary["delta"] == pytest.approx(1 / summary["num_train_windows"])
+    assert_delta_pays_the_sampling_slack(summary)
     assert sorted(os.listdir(workdir / "checkpoints")) == ["6"]  # only the latest is kept
     assert json.loads((workdir / "config.json").read_text())["seed"] == "pinned (kept in the checkpoint)"
+
+
+def assert_delta_pays_the_sampling_slack(summary):
+    """Default delta 10^-(digits of N) < 1/N; max_batch_size sized so the overflow slack is <= delta / 10;
+    the accountant ran at delta - slack."""
+    from jaxdp import accounting, sampling
+    n, q, steps = summary["num_train_windows"], summary["sampling_probability"], summary["steps"]
+    delta, slack = summary["delta"], summary["sampling_slack"]
+    assert delta == 10.0 ** -len(str(n)) < 1 / n and summary["delta_from"].startswith("default")
+    assert summary["max_batch_size"] == sampling.max_batch_size_for_delta(n, summary["expected_batch_size"],
+                                                                          steps, 8.0, delta)
+    assert summary["max_batch_size_from"] == "sized: sampling slack <= delta / 10"
+    p = sampling.PoissonSampler(n, summary["expected_batch_size"], max_batch_size=summary["max_batch_size"])
+    assert summary["overflow_probability"] == p.overflow_probability > 0
+    assert 0 < slack == sampling.overflow_slack(8.0, steps, p.overflow_probability) <= delta / 10
+    assert summary["delta_mechanism"] == delta - slack
+    assert summary["epsilon"] == accounting.epsilon(summary["noise_multiplier"], q, steps, delta - slack)
 
 
 def assert_first_metrics_equal(workdir, reference_workdir, *, num_rows):
@@ -195,7 +212,8 @@ def test_different_seed_different_metrics(reference_run, corpus, tmp_path):
 def test_fresh_runs_draw_secret_roots(reference_run, corpus, tmp_path):
     """config.seed None: each run draws its own root (none derivable from config.json); a pinned seed
     must match the root kept in the checkpoint on resume."""
-    a, b = (training.prepare(tiny_config(corpus, tmp_path / name, seed=None)) for name in "ab")
+    a, b = (training.prepare(tiny_config(corpus, tmp_path / name, seed=None, **{"dp.noise_multiplier": 1.0}))
+            for name in "ab")  # a fixed sigma: no calibration
     assert a.root_seed != b.root_seed and not a.seed_pinned
     assert a.config_json["seed"] is None
     assert a.sampler.seed == noise.derive_seed(a.root_seed, noise.SAMPLER) != b.sampler.seed
@@ -203,7 +221,6 @@ def test_fresh_runs_draw_secret_roots(reference_run, corpus, tmp_path):
     workdir, _ = reference_run
     with pytest.raises(training.ConfigError, match="config.seed differs from the root seed kept in the checkpoint"):
         training.prepare(tiny_config(corpus, workdir, seed=1))
-    assert training.prepare(tiny_config(corpus, workdir, seed=None)).root_seed == 0  # the checkpoint's
 
 
 def saved_noise_key(workdir) -> np.ndarray:
@@ -296,9 +313,9 @@ def test_budget_stops_before_exceeding_target(corpus, tmp_path, monkeypatch):
 
     first = training.prepare(budget_config(1.0))
     q = first.sampler.sampling_probability
-    target = accounting.epsilon(sigma, q, 6, first.delta)
+    target = accounting.epsilon(sigma, q, 6, first.delta_mechanism)
     p = training.prepare(budget_config(target))
-    stop = accounting.BudgetTracker(sigma, q, p.delta, target_epsilon=target).max_steps
+    stop = accounting.BudgetTracker(sigma, q, p.delta_mechanism, target_epsilon=target).max_steps
     assert 2 <= stop < 50  # the first update moves the model (warmup: step 0's learning rate is 0)
     log_every = next(k for k in (2, 3, 4, 5, 7) if stop % k)
     trainers = []
@@ -314,7 +331,7 @@ def test_budget_stops_before_exceeding_target(corpus, tmp_path, monkeypatch):
     assert "privacy budget" in summary["stop_reason"]
     assert summary["epsilon"] <= target
     over = accounting.epsilon(sigma, summary["sampling_probability"], summary["steps"] + 1,
-                              summary["delta"])
+                              summary["delta_mechanism"])
     assert over > target  # one more step would have exceeded it
     (trainer,) = trainers
     model, _, _ = training.load_for_generation(tmp_path / "budget")
@@ -354,6 +371,7 @@ def _existing_run_dir(path):
     ({"dp.method": "two_pass", "dp.strategy": "pallas"}, "dp.strategy.*GPU"),  # CPU only
     ({"checkpoint_every": 3, "log_every": 2}, "log_every"),
     ({"batch_size": 10**7}, "batch_size"),
+    ({"max_batch_size": 8}, r"config.max_batch_size = 8 .*sampling slack .*smallest max_batch_size accepted is"),
     ({"seq_len": 16, "model.max_seq_len": 16, "data.validation_fraction": 1e-9}, None),
 ])
 def test_bad_config_is_rejected_before_touching_workdir(corpus, tmp_path, overrides, needle):
@@ -367,6 +385,24 @@ def test_bad_config_is_rejected_before_touching_workdir(corpus, tmp_path, overri
             training.prepare(c)
         assert "\n" not in str(e.value)
     assert {p.name: p.read_bytes() for p in workdir.iterdir()} == before
+
+
+def test_max_batch_size_whose_slack_exceeds_a_tenth_of_delta_is_refused(corpus, tmp_path):
+    """max_batch_size = batch_size truncates most steps' draws, which plain Poisson accounting does not
+    cover (9428dda ran it and reported epsilon 8): refused, naming the smallest size accepted, with one
+    micro-batch and with two (sizes rounded up to even ones)."""
+    def prepare(max_batch_size, k):  # a fixed sigma: no calibration
+        return training.prepare(tiny_config(corpus, tmp_path / "run", max_batch_size=max_batch_size,
+                                            accumulation_steps=k, **{"dp.noise_multiplier": 1.0}))
+
+    for k in (1, 2):
+        with pytest.raises(training.ConfigError, match=r"slack .* = [0-9.e+-]+ exceeds delta / 10") as e:
+            prepare(8, k)  # = batch_size
+        smallest = int(str(e.value).split("accepted is ")[1].split()[0])
+        p = prepare(smallest, k)
+        assert p.max_batch_size_from == "config.max_batch_size" and p.sampling_slack <= p.delta / 10
+        with pytest.raises(training.ConfigError, match="config.max_batch_size"):
+            prepare(smallest - 1, k)
 
 
 def test_empty_corpus_is_rejected(tmp_path):

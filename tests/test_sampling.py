@@ -268,6 +268,41 @@ def test_overflow_probability_of_an_explicit_size():
         _exact_tail(_N + 1, _EXPECTED / _N, _SLOTS), rel=1e-9)
 
 
+# ---------------------------------------------------------------- delta slack
+
+
+def test_overflow_slack_formula():
+    eps, steps, p = 8.0, 150, 2.5e-12
+    assert sampling.overflow_slack(eps, steps, p) == pytest.approx((1 + math.exp(eps)) * steps * p, rel=1e-12)
+    assert sampling.overflow_slack(1000.0, 10, 0.0) == 0.0  # no overflow: no slack, even where e^eps overflows
+    assert sampling.overflow_slack(1000.0, 10, 0.5) == math.inf
+    with pytest.raises(ValueError):
+        sampling.overflow_slack(1.0, 10, 1.5)
+
+
+def test_max_batch_size_for_delta_is_the_smallest_within_a_tenth_of_delta():
+    seed = secrets.randbits(64)
+    rng = np.random.default_rng(seed)
+    for _ in range(6):
+        n = int(rng.integers(50, 1000))  # _exact_tail's binomial coefficients fit a float
+        expected = float(rng.uniform(0.5, n / 4))
+        steps, eps, delta = int(rng.integers(1, 5000)), float(rng.uniform(0.5, 12)), 10.0 ** -rng.uniform(3, 8)
+        b = sampling.max_batch_size_for_delta(n, expected, steps, eps, delta)
+
+        def slack(size):  # from the exact tail on N + 1 examples (the larger neighbour)
+            return (1 + math.exp(eps)) * steps * _exact_tail(n + 1, expected / n, size)
+
+        case = (seed, n, expected, steps, eps, delta, b)
+        assert slack(b) <= delta / 10 * (1 + 1e-9), case
+        assert b == 1 or slack(b - 1) >= delta / 10 * (1 - 1e-9), case
+        sampler = sampling.PoissonSampler(n, expected, max_batch_size=b)
+        assert sampling.overflow_slack(eps, steps, sampler.overflow_probability) <= delta / 10 * (1 + 1e-9), case
+    # A tighter share of delta needs a larger batch; an impossible one takes N + 1 (never overflows).
+    assert (sampling.max_batch_size_for_delta(1000, 20, 100, 8.0, 1e-5, slack_fraction=1e-3)
+            > sampling.max_batch_size_for_delta(1000, 20, 100, 8.0, 1e-5))
+    assert sampling.max_batch_size_for_delta(1000, 20, 100, 800.0, 1e-5) == 1001
+
+
 # ---------------------------------------------------------------- validation
 
 

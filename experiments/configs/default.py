@@ -21,7 +21,7 @@ def get_config() -> config_dict.ConfigDict:
     c.sample_tokens = 48                 # tokens generated per sample
 
     c.batch_size = 48                    # EXPECTED logical batch size q * N (Poisson sampling)
-    c.max_batch_size = config_dict.placeholder(int)  # padded batch size; None: overflow prob < 1e-9
+    c.max_batch_size = config_dict.placeholder(int)  # padded batch size; None: the smallest whose sampling slack <= delta / 10
     c.accumulation_steps = 1             # micro-batches per logical batch (max_batch_size is split)
     c.seq_len = 128                      # tokens per window (a DP record has seq_len + 1 tokens)
 
@@ -57,7 +57,8 @@ def get_config() -> config_dict.ConfigDict:
     c.dp = config_dict.ConfigDict()
     c.dp.enabled = True                  # False: the identical non-DP baseline
     c.dp.target_epsilon = 8.0            # privacy budget; training stops before exceeding it
-    c.dp.delta = config_dict.placeholder(float)  # None: 1 / (number of training windows)
+    c.dp.delta = config_dict.placeholder(float)  # total delta, sampling slack included; None: 10^-(digits of N):
+                                         # below 1/N, and reveals only N's order of magnitude (1/N publishes N)
     c.dp.noise_multiplier = config_dict.placeholder(float)  # None: calibrate sigma to target_epsilon
     c.dp.l2_norm_clip = 1.0              # C, the bound on each window's gradient
     c.dp.clipping = "flat"               # "flat" | "per_layer"

@@ -43,7 +43,14 @@ from jaxdp import norms as norms_lib
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.models.remat import REMAT_POLICIES
-from jaxdp.sampling import OVERFLOW_MODES, PoissonSampler
+from jaxdp.sampling import (
+    DEFAULT_MAX_OVERFLOW_PROBABILITY,
+    DEFAULT_SLACK_FRACTION,
+    OVERFLOW_MODES,
+    PoissonSampler,
+    max_batch_size_for_delta,
+    overflow_slack,
+)
 from jaxdp.sharding.dp_step import METHODS, check_mesh_strategy
 from jaxdp.training.run_dir import CHECKPOINT_DIR, CONFIG_FILE, TOKENIZER_DIR, latest_checkpoint_meta
 
@@ -218,7 +225,7 @@ def validate_config(config) -> None:
         _require(dp.noise_multiplier is None or (dp.noise_multiplier > 0 and math.isfinite(dp.noise_multiplier)),
                  f"config.dp.noise_multiplier must be None (calibrate) or > 0, got {dp.noise_multiplier!r}")
         _require(dp.delta is None or 0 < dp.delta < 1,
-                 f"config.dp.delta must be None (1/N) or in (0, 1), got {dp.delta!r}")
+                 f"config.dp.delta must be None (10^-(digits of N)) or in (0, 1), got {dp.delta!r}")
 
 
 # ------------------------------------------------------------------ preparation (no writes)
@@ -235,10 +242,15 @@ class Prepared:
     model_config: GPT2Config | LlamaConfig
     sampler: PoissonSampler
     noise_multiplier: float
-    delta: float | None
     eval_indices: np.ndarray
     root_seed: int = dataclasses.field(repr=False)  # secret: kept only in checkpoints
     seed_pinned: bool
+    # The guarantee (DP only; None without): (epsilon, delta) with delta = delta_mechanism + sampling_slack.
+    delta: float | None                # the run's total delta (config.dp.delta, or default_delta(N))
+    delta_mechanism: float | None      # the accountant's delta (sigma calibration, budget stop)
+    sampling_slack: float | None       # (1 + e^target_epsilon) * steps * sampler.overflow_probability
+    delta_from: str | None             # how delta was chosen
+    max_batch_size_from: str           # how sampler.max_batch_size was chosen
 
     def derive_seed(self, domain: str, *path: str | int) -> int:
         """The seed of one use of randomness (`jaxdp.noise.derive_seed` of the root)."""
@@ -285,32 +297,65 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     n = train.num_windows
     _require(config.batch_size <= n,
              f"config.batch_size ({config.batch_size}) exceeds the {n} training windows of the corpus")
-    k = config.accumulation_steps
+    dp = config.dp
+    max_batch_size = config.max_batch_size
+    max_batch_size_from = "config.max_batch_size"
+    delta = delta_from = None
+    if dp.enabled:
+        delta, delta_from = ((dp.delta, "config.dp.delta") if dp.delta is not None else
+                             (accounting.default_delta(n), "default: 10^-(number of digits of N)"))
+        # The accountant runs at delta - slack: the slack may take at most delta / 10.
+        smallest = _round_batch(config, max_batch_size_for_delta(
+            n, config.batch_size, config.steps, dp.target_epsilon, delta))
+        if max_batch_size is None:
+            max_batch_size = smallest
+            max_batch_size_from = f"sized: sampling slack <= {_SLACK_BOUND}"
+    elif max_batch_size is None:
+        max_batch_size_from = f"overflow probability < {DEFAULT_MAX_OVERFLOW_PROBABILITY:g} per step"
     try:
-        sampler = PoissonSampler(n, config.batch_size, max_batch_size=config.max_batch_size,
-                                 seed=noise_lib.derive_seed(root_seed, noise_lib.SAMPLER),
-                                 overflow=config.dp.overflow)
+        sampler = PoissonSampler(n, config.batch_size, max_batch_size=max_batch_size,
+                                 seed=noise_lib.derive_seed(root_seed, noise_lib.SAMPLER), overflow=dp.overflow)
     except ValueError as e:
         raise ConfigError(f"sampler: {e}") from None
-    if sampler.max_batch_size % k:  # room for k equal micro-batches
-        sampler.max_batch_size += k - sampler.max_batch_size % k
-    data = config.mesh.data if runs_sharded_step(config) else 1
-    if sampler.max_batch_size % data:  # equal shards over the `data` axis
-        sampler.max_batch_size += data - sampler.max_batch_size % data
-    delta, sigma = None, 0.0
-    if config.dp.enabled:
-        delta = config.dp.delta if config.dp.delta is not None else 1.0 / n
-        if config.dp.noise_multiplier is not None:
-            sigma = float(config.dp.noise_multiplier)
+    sampler.max_batch_size = _round_batch(config, sampler.max_batch_size)
+    delta_mechanism = slack = None
+    sigma = 0.0
+    if dp.enabled:
+        slack = overflow_slack(dp.target_epsilon, config.steps, sampler.overflow_probability)
+        if sampler.max_batch_size < smallest:
+            accepted = smallest  # the smallest value that _round_batch takes to `smallest` or above
+            while accepted > 1 and _round_batch(config, accepted - 1) >= smallest:
+                accepted -= 1
+            raise ConfigError(
+                f"config.max_batch_size = {config.max_batch_size} overflows with probability "
+                f"{sampler.overflow_probability:.2g} per step: the sampling slack (1 + e^{dp.target_epsilon:g}) * "
+                f"{config.steps} * {sampler.overflow_probability:.2g} = {slack:.2g} exceeds {_SLACK_BOUND} "
+                f"= {delta * DEFAULT_SLACK_FRACTION:.2g}; the smallest max_batch_size accepted is {accepted} "
+                "(None sizes it)")
+        delta_mechanism = delta - slack
+        if dp.noise_multiplier is not None:
+            sigma = float(dp.noise_multiplier)
         else:
             sigma = accounting.calibrate_noise_multiplier(
-                config.dp.target_epsilon, sampler.sampling_probability, config.steps, delta,
+                dp.target_epsilon, sampler.sampling_probability, config.steps, delta_mechanism,
                 accountant=config.accountant)
     m = valid.num_windows
     eval_indices = np.unique(np.linspace(0, m - 1, min(m, config.eval_windows)).astype(np.int64))
     mc = model_config(config.model, tokenizer.vocab_size, dtype=config.dtype, remat=config.remat)
-    return Prepared(config, cfg_json, workdir, tokenizer, train, valid, mc, sampler, sigma, delta, eval_indices,
-                    root_seed, seed_pinned)
+    return Prepared(config=config, config_json=cfg_json, workdir=workdir, tokenizer=tokenizer, train=train,
+                    valid=valid, model_config=mc, sampler=sampler, noise_multiplier=sigma,
+                    eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
+                    delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
+                    max_batch_size_from=max_batch_size_from)
+
+
+_SLACK_BOUND = f"delta / {1 / DEFAULT_SLACK_FRACTION:g}"  # the share of delta overflow may take, in words
+
+
+def _round_batch(config, max_batch_size: int) -> int:
+    """`max_batch_size` rounded up to k equal micro-batches, then to equal shards over the `data` axis."""
+    max_batch_size += -max_batch_size % config.accumulation_steps
+    return max_batch_size + -max_batch_size % (config.mesh.data if runs_sharded_step(config) else 1)
 
 
 PINNED_SEED = "pinned (kept in the checkpoint)"  # config.json's `seed` when config.seed was set

@@ -98,7 +98,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
                                noise_key=noise_lib.key_from_seed(p.derive_seed(noise_lib.NOISE)))
     tracker = None
     if dp:
-        tracker = accounting.BudgetTracker(p.noise_multiplier, q, p.delta,
+        tracker = accounting.BudgetTracker(p.noise_multiplier, q, p.delta_mechanism,
                                            target_epsilon=config.dp.target_epsilon,
                                            accountant=config.accountant)
     checkpointer = Checkpointer(workdir / CHECKPOINT_DIR)
@@ -131,7 +131,8 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
             if tracker is not None and not tracker.can_step():
                 stop_reason = (f"privacy budget: stopping before step {step + 1}, which would spend "
                                f"epsilon > target_epsilon = {config.dp.target_epsilon:g} at delta = "
-                               f"{p.delta:.3g} (the budget allows {tracker.max_steps} steps)")
+                               f"{p.delta:.3g} ({p.delta_mechanism:.3g} for the mechanism + the sampling "
+                               f"slack; the budget allows {tracker.max_steps} steps)")
                 break
             indices, mask = sampler.sample(step)
             tokens = p.train.get(indices)
@@ -208,11 +209,16 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         "initial_val_loss": initial_val_loss,
         "dp": dp,
         "epsilon": tracker.epsilon() if tracker is not None else math.inf,
-        "delta": p.delta,
+        "delta": p.delta,  # the guarantee: (epsilon, delta), delta = delta_mechanism + sampling_slack
+        "delta_from": p.delta_from,
+        "delta_mechanism": p.delta_mechanism,
+        "sampling_slack": p.sampling_slack,
+        "overflow_probability": sampler.overflow_probability,
         "noise_multiplier": p.noise_multiplier if dp else None,
         "sampling_probability": q,
         "expected_batch_size": config.batch_size,
         "max_batch_size": sampler.max_batch_size,
+        "max_batch_size_from": p.max_batch_size_from,
         "num_train_windows": p.train.num_windows,
         "model": config.model.family,
         "num_params": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
