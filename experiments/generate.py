@@ -1,6 +1,9 @@
 """Samples text from a run directory of `experiments.pretrain_gpt2` (GPT-2 or Llama).
 
     python -m experiments.generate --workdir=runs/pretrain_gpt2 --prompt="The state of the Union"
+
+The shareable part of a run directory is enough: `model/`, `config.json` and
+`tokenizer/` (README, "What is protected").
 """
 
 import sys

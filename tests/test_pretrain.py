@@ -31,7 +31,7 @@ CORPUS = REPO / "jaxdp" / "corpora" / "sotu.jsonl.gz"
 TINY = {
     "seed": 0,  # pinned: runs are compared bit for bit (the default, None, draws a secret root per run)
     "steps": 6, "checkpoint_every": 2, "log_every": 1, "eval_every": 2, "eval_windows": 16,
-    "eval_batch_size": 8, "num_samples": 1, "sample_tokens": 4, "batch_size": 8,
+    "eval_batch_size": 8, "sample.num": 1, "sample.tokens": 4, "batch_size": 8,
     "seq_len": 16, "learning_rate": 1e-2, "warmup_steps": 1,
     "model.n_layer": 1, "model.n_head": 2, "model.d_model": 32, "model.max_seq_len": 16,
     "data.tokenizer": "bpe300",
@@ -119,7 +119,8 @@ def reference_run(corpus, tmp_path_factory):
 
 def test_run_directory_and_learning(reference_run):
     workdir, summary = reference_run
-    names = ["config.json", "metrics.jsonl", "summary.json", "samples.txt", "tokenizer/tokenizer.json"]
+    names = ["config.json", "metrics.jsonl", "summary.json", "samples.txt", "tokenizer/tokenizer.json",
+             "model/params.npz"]
     if importlib.util.find_spec("matplotlib") is not None:  # plots are skipped without it
         names += ["loss.png", "epsilon.png"]
     for name in names:
@@ -135,6 +136,16 @@ def test_run_directory_and_learning(reference_run):
     assert_delta_pays_the_sampling_slack(summary)
     assert sorted(os.listdir(workdir / "checkpoints")) == ["6"]  # only the latest is kept
     assert json.loads((workdir / "config.json").read_text())["seed"] == "pinned (kept in the checkpoint)"
+    # model/ holds the final parameters alone, and load_for_generation reads them: the checkpoint's.
+    model, _, _ = training.load_for_generation(workdir)
+    shared = params_of_model(model)
+    with np.load(workdir / "model" / "params.npz") as saved:
+        assert len(saved.files) == len(shared) and all(saved[k].dtype == np.float32 for k in saved.files)
+    checkpointer = run_dir.Checkpointer(workdir / "checkpoints")
+    checkpointer.restore_model(6, model)
+    checkpointer.close()
+    for a, b in zip(shared, params_of_model(model), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def assert_delta_pays_the_sampling_slack(summary):
@@ -371,6 +382,8 @@ def _existing_run_dir(path):
     ({"dp.method": "two_pass", "dp.strategy": "pallas"}, "dp.strategy.*GPU"),  # CPU only
     ({"checkpoint_every": 3, "log_every": 2}, "log_every"),
     ({"batch_size": 10**7}, "batch_size"),
+    ({"sample.prompts": ("The", " ")}, "config.sample.prompts"),
+    ({"sample.num": -1}, "config.sample.num"),
     ({"max_batch_size": 8}, r"config.max_batch_size = 8 .*sampling slack .*smallest max_batch_size accepted is"),
     ({"seq_len": 16, "model.max_seq_len": 16, "data.validation_fraction": 1e-9}, None),
 ])
@@ -421,10 +434,14 @@ def test_changed_config_in_existing_run_is_rejected(reference_run, corpus):
 # ------------------------------------------------------------------ the CLI
 
 
+CLI_PROMPTS = ("Fellow citizens", "We")
+
+
 @pytest.fixture(scope="module")
 def cli_run(corpus, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("cli") / "run"
-    overrides = tiny_cli_overrides(corpus, workdir, steps=12)
+    overrides = tiny_cli_overrides(corpus, workdir, steps=12, **{"sample.num": 3,
+                                                                 "sample.prompts": repr(CLI_PROMPTS)})
     proc = run_cli(cli_args(overrides))
     return workdir, overrides, proc
 
@@ -438,13 +455,46 @@ def test_cli_end_to_end(cli_run):
     rows = training.read_metrics(workdir)
     assert rows[-1]["step"] == 12 and "val_loss" in rows[-1]
     assert json.loads((workdir / "config.json").read_text())["steps"] == 12
-    assert (workdir / "samples.txt").read_text().count("[continuation]") == 1
+    assert (workdir / "samples.txt").read_text().count("[continuation]") == 3
 
 
-def test_cli_generate(cli_run):
+def assert_samples_continue_public_prompts(workdir, corpus, prompts):
+    """samples.txt continues `prompts` (cycling) and holds no text of a validation window: no span of 8
+    tokens (the prompts 9428dda cut from validation windows), decoded, appears in it."""
+    from jaxdp import data
+    text = (workdir / "samples.txt").read_text()
+    shown = [line.removeprefix("[prompt] ") for line in text.splitlines() if line.startswith("[prompt] ")]
+    assert shown == [prompts[i % len(prompts)] for i in range(len(shown))] and shown
+    config = json.loads((workdir / "config.json").read_text())
+    tokenizer = data.Tokenizer.load(workdir / "tokenizer")
+    valid = data.TokenWindows(data.load_documents(corpus), tokenizer, config["seq_len"], split="validation",
+                              validation_fraction=config["data"]["validation_fraction"],
+                              cache_dir=config["data"]["cache_dir"])
+    windows = valid.get(np.arange(valid.num_windows))
+    spans = {tokenizer.decode(w[i:i + 8]) for w in windows for i in range(w.size - 7)}
+    spans = [s for s in spans if len(s.strip()) >= 12]
+    assert len(spans) > valid.num_windows
+    assert not [s for s in spans if s in text]
+
+
+def test_samples_continue_public_prompts(reference_run, cli_run, corpus):
+    """config.sample.prompts None: the built-in public prompts; given: those (a tuple on the command line)."""
+    assert_samples_continue_public_prompts(reference_run[0], corpus, training.DEFAULT_PROMPTS)
+    workdir, _, proc = cli_run
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_samples_continue_public_prompts(workdir, corpus, CLI_PROMPTS)
+
+
+def test_cli_generate(cli_run, tmp_path):
+    """experiments.generate on the shareable part of the run alone: model/, config.json, tokenizer/."""
+    import shutil
     workdir, _, proc = cli_run
     assert proc.returncode == 0
-    out = run_cli([f"--workdir={workdir}", "--prompt=The Congress", "--num_tokens=5",
+    shared = tmp_path / "shared"
+    shutil.copytree(workdir / "model", shared / "model")
+    shutil.copytree(workdir / "tokenizer", shared / "tokenizer")
+    shutil.copy(workdir / "config.json", shared / "config.json")
+    out = run_cli([f"--workdir={shared}", "--prompt=The Congress", "--num_tokens=5",
                    "--num_samples=2"], module="experiments.generate")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("The Congress") == 2

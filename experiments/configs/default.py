@@ -17,8 +17,6 @@ def get_config() -> config_dict.ConfigDict:
     c.eval_every = 25                    # steps between validation evaluations (on logged steps)
     c.eval_windows = 256                 # validation windows evaluated (evenly spaced)
     c.eval_batch_size = 64               # windows per evaluation batch
-    c.num_samples = 3                    # continuations of validation prompts written to samples.txt
-    c.sample_tokens = 48                 # tokens generated per sample
 
     c.batch_size = 48                    # EXPECTED logical batch size q * N (Poisson sampling)
     c.max_batch_size = config_dict.placeholder(int)  # padded batch size; None: the smallest whose sampling slack <= delta / 10
@@ -53,6 +51,11 @@ def get_config() -> config_dict.ConfigDict:
     c.data.tokenizer = "bpe2048"         # "gpt2", "bpe<N>" (trained on the corpus) or a tokenizer directory
     c.data.validation_fraction = 0.05    # documents held out for validation (split by document)
     c.data.cache_dir = config_dict.placeholder(str)  # token cache; None: $JAXDP_CACHE_DIR or ~/.cache/jaxdp/tokens
+
+    c.sample = config_dict.ConfigDict()  # samples.txt: continuations of PUBLIC prompts (never private text)
+    c.sample.num = 3                     # samples written (0: no samples.txt)
+    c.sample.tokens = 48                 # tokens generated per sample
+    c.sample.prompts = config_dict.placeholder(tuple)  # None: jaxdp.training.DEFAULT_PROMPTS ("The", "In the", "We", ...)
 
     c.dp = config_dict.ConfigDict()
     c.dp.enabled = True                  # False: the identical non-DP baseline

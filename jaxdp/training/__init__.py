@@ -15,9 +15,11 @@
      `jaxdp.sharding.ShardedDPStep` on a (data, seq) mesh when
      `mesh.data * mesh.seq > 1` or `dp.method="two_pass"`), and the privacy accountant, which stops
      training before `dp.target_epsilon` is exceeded.
-  3. The run directory (`run_dir`): `config.json`, `metrics.jsonl`,
-     `tokenizer/`, orbax checkpoints (the latest is kept), `summary.json`,
-     plots and `samples.txt` (`generation`).
+  3. The run directory (`run_dir`, `generation`): `config.json`,
+     `metrics.jsonl`, `tokenizer/`, orbax checkpoints (the latest is kept;
+     they alone hold the run's secret root seed), `summary.json`, plots,
+     `samples.txt` (continuations of public prompts) and `model/` (the final
+     parameters alone: the model to share; README's "What is protected").
 
 Rerunning with the same config resumes from the latest checkpoint and writes
 exactly the metrics of an uninterrupted run; a different config in the same
@@ -32,6 +34,7 @@ from jaxdp.training.config import build_model
 from jaxdp.training.config import model_config
 from jaxdp.training.config import prepare
 from jaxdp.training.config import validate_config
+from jaxdp.training.generation import DEFAULT_PROMPTS
 from jaxdp.training.generation import generate
 from jaxdp.training.generation import load_for_generation
 from jaxdp.training.loop import maybe_initialize_distributed
@@ -40,6 +43,7 @@ from jaxdp.training.run_dir import read_metrics
 from jaxdp.training.steps import evaluate
 
 __all__ = [
+    "DEFAULT_PROMPTS",
     "MODEL_FAMILIES",
     "ConfigError",
     "Prepared",

@@ -198,6 +198,14 @@ def validate_config(config) -> None:
              f"config.data.validation_fraction must be in (0, 1), got {config.data.validation_fraction!r}")
     _require(isinstance(config.workdir, str) and config.workdir.strip() != "",
              "config.workdir must be a non-empty path")
+    sample = config.sample
+    _require(isinstance(sample.num, int) and not isinstance(sample.num, bool) and sample.num >= 0,
+             f"config.sample.num must be an integer >= 0, got {sample.num!r}")
+    _positive_int(config, "sample.tokens")
+    _require(sample.prompts is None or (isinstance(sample.prompts, (tuple, list)) and len(sample.prompts) > 0
+                                        and all(isinstance(t, str) and t.strip() for t in sample.prompts)),
+             "config.sample.prompts must be None (the built-in public prompts) or a non-empty tuple of "
+             f"non-empty strings, e.g. \"('The', 'We')\", got {sample.prompts!r}")
     mb = config.max_batch_size
     _require(mb is None or (isinstance(mb, int) and mb >= config.accumulation_steps),
              f"config.max_batch_size must be None or an integer >= accumulation_steps, got {mb!r}")

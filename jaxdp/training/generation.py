@@ -1,4 +1,10 @@
-"""Sampling from a trained model: `generate`, `samples.txt`, and loading a run directory for generation."""
+"""Sampling from a trained model: `generate`, `samples.txt`, and loading a run directory for generation.
+
+`samples.txt` continues PUBLIC prompts (`config.sample.prompts`, by default
+`DEFAULT_PROMPTS`), never text of the private corpus: a continuation is
+post-processing of the DP model, a prompt cut from the validation split would
+publish that text verbatim.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +22,15 @@ from jaxdp.training.config import ConfigError, Prepared, build_model, model_conf
 from jaxdp.training.run_dir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
+    MODEL_DIR,
     SAMPLES_FILE,
     TOKENIZER_DIR,
     Checkpointer,
+    read_model,
 )
+
+# The prompts of samples.txt when config.sample.prompts is None: short, public, corpus-independent.
+DEFAULT_PROMPTS = ("The", "In the", "We", "It is", "This year")
 
 
 def generate(model: nnx.Module, prompt: list[int], num_tokens: int, *, seed: int = 0,
@@ -56,25 +67,29 @@ def _next_token(model, buf_1T, pos, key, temperature, top_k):
 
 
 def write_samples(model, p: Prepared, config) -> None:
-    """`samples.txt`: continuations of prompts cut from validation windows."""
-    prompt_len = max(1, min(config.seq_len // 2, 32))
+    """`samples.txt`: continuations of the public prompts `config.sample.prompts` (or `DEFAULT_PROMPTS`).
+
+    Sample i continues prompt i (cycling), after an end-of-text token (a
+    document's start), with the key `derive_seed(root, SAMPLES, i)`.
+    """
+    prompts = tuple(config.sample.prompts or DEFAULT_PROMPTS)
     parts = []
-    picks = np.linspace(0, p.valid.num_windows - 1, config.num_samples).astype(np.int64)
-    for i, w in enumerate(picks):
-        prompt = p.valid.get(np.array([w]))[0, :prompt_len].tolist()
-        cont = generate(model, prompt, config.sample_tokens,
+    for i in range(config.sample.num):
+        text = prompts[i % len(prompts)]
+        prompt = [p.tokenizer.eot_id] + p.tokenizer.encode(text)
+        cont = generate(model, prompt, config.sample.tokens,
                         key=noise_lib.key_from_seed(p.derive_seed(noise_lib.SAMPLES, i)))
-        parts.append(f"=== sample {i + 1} (validation window {int(w)}) ===\n"
-                     f"[prompt] {p.tokenizer.decode(prompt)}\n"
-                     f"[continuation] {p.tokenizer.decode(cont)}\n")
+        parts.append(f"=== sample {i + 1} ===\n[prompt] {text}\n[continuation] {p.tokenizer.decode(cont)}\n")
     (p.workdir / SAMPLES_FILE).write_text("\n".join(parts))
 
 
 def load_for_generation(workdir) -> tuple[nnx.Module, data_lib.Tokenizer, dict]:
-    """(model with the latest checkpoint's parameters, tokenizer, config json) of a run directory.
+    """(model with the run's final parameters, tokenizer, config json) of a run directory.
 
-    The model is the run's `GPT2` or `Llama` (`config.model.family`; run
-    directories written before that key existed are GPT-2), without remat.
+    The parameters come from `model/` (the shareable model a finished run
+    writes), else from the latest checkpoint (an interrupted run). The model is
+    the run's `GPT2` or `Llama` (`config.model.family`; run directories written
+    before that key existed are GPT-2), without remat.
     """
     workdir = pathlib.Path(workdir)
     if not (workdir / CONFIG_FILE).is_file():
@@ -84,6 +99,8 @@ def load_for_generation(workdir) -> tuple[nnx.Module, data_lib.Tokenizer, dict]:
     model_json = dict({"family": "gpt2"}, **cfg["model"])
     model = build_model(model_config(model_json, tokenizer.vocab_size, dtype=cfg["dtype"], remat=False),
                         seed=0)  # overwritten by the saved parameters
+    if read_model(workdir / MODEL_DIR, model):
+        return model, tokenizer, cfg
     checkpointer = Checkpointer(workdir / CHECKPOINT_DIR)
     step = checkpointer.latest_step()
     if step is None:

@@ -35,6 +35,7 @@ from jaxdp.training.run_dir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     METRICS_FILE,
+    MODEL_DIR,
     SUMMARY_FILE,
     TOKENIZER_DIR,
     Checkpointer,
@@ -43,6 +44,7 @@ from jaxdp.training.run_dir import (
     read_json,
     read_metrics,
     write_metrics,
+    write_model,
     write_plots,
 )
 from jaxdp.training.steps import (
@@ -229,7 +231,8 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     }
     (workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     write_plots(workdir, rows)
-    if config.num_samples > 0:
+    write_model(workdir / MODEL_DIR, model)
+    if config.sample.num > 0:
         write_samples(model, p, config)
     return summary
 

@@ -7,7 +7,11 @@
              checkpoints/<s>/ parameters, optimizer state (with the noise PRNG key), and a JSON
                               meta: step, accountant state, the run's root seed; only the latest
                               is kept. PRIVATE: the root seed and the key reproduce the noise.
+             model/params.npz the final parameters alone (no optimizer state, no key): the model
+                              to share; written when the run ends
              summary.json, loss.png, epsilon.png, samples.txt
+
+README.md ("What is protected") says which of these may be shared.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ SUMMARY_FILE = "summary.json"
 SAMPLES_FILE = "samples.txt"
 TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_DIR = "checkpoints"
+MODEL_DIR = "model"
+PARAMS_FILE = "params.npz"
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -94,6 +100,33 @@ class Checkpointer:
 
     def close(self):
         self._manager.close()
+
+
+# ------------------------------------------------------------------ the shareable model
+
+
+def _param_names(model) -> list[tuple[str, nnx.Variable]]:
+    return [("/".join(map(str, path)), var) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+
+
+def write_model(directory: pathlib.Path, model) -> None:
+    """`<directory>/params.npz`: the model's parameters by path, nothing else (atomic replace)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / (PARAMS_FILE + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **{name: np.asarray(var.get_value()) for name, var in _param_names(model)})
+    os.replace(tmp, directory / PARAMS_FILE)
+
+
+def read_model(directory: pathlib.Path, model) -> bool:
+    """Loads `write_model`'s parameters into `model`; False when there are none."""
+    path = directory / PARAMS_FILE
+    if not path.is_file():
+        return False
+    with np.load(path) as saved:
+        for name, var in _param_names(model):
+            var.set_value(jnp.asarray(saved[name], dtype=var.get_value().dtype))
+    return True
 
 
 # ------------------------------------------------------------------ metrics and plots
