@@ -236,12 +236,10 @@ def test_fresh_runs_draw_secret_roots(reference_run, corpus, tmp_path):
 
 def saved_noise_key(workdir) -> np.ndarray:
     """The noise key data in the latest checkpoint (fused_clip's state: the only uint32 pair)."""
-    import orbax.checkpoint as ocp
     checkpointer = run_dir.Checkpointer(workdir / "checkpoints")
-    restored = checkpointer._manager.restore(checkpointer.latest_step(),
-                                             args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    leaves = checkpointer.saved_leaves(checkpointer.latest_step())
     checkpointer.close()
-    (key,) = [x for x in map(np.asarray, restored["state"]["leaves"]) if x.dtype == np.uint32 and x.shape == (2,)]
+    (key,) = [x for x in map(np.asarray, leaves) if x.dtype == np.uint32 and x.shape == (2,)]
     return key
 
 

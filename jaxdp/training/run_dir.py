@@ -88,13 +88,15 @@ class Checkpointer:
         nnx.update((model, optimizer), jax.tree.unflatten(treedef, new))
         return dict(restored["meta"])
 
+    def saved_leaves(self, step: int) -> list[np.ndarray]:
+        """The saved (model, optimizer) state leaves of checkpoint `step` as stored (keys as their data)."""
+        ocp = self._ocp
+        return self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]["leaves"]
+
     def restore_model(self, step: int, model) -> None:
         """Restores only the parameters: the first leaves of the saved (model, optimizer) state are the model's."""
-        ocp = self._ocp
         leaves, treedef = jax.tree.flatten(nnx.state(model))
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
-        saved = restored["state"]["leaves"]
+        saved = self.saved_leaves(step)
         new = [jnp.asarray(v, dtype=o.dtype) for o, v in zip(leaves, saved[:len(leaves)])]
         nnx.update(model, jax.tree.unflatten(treedef, new))
 
