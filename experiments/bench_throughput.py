@@ -152,8 +152,10 @@ def run_one(cfg: dict) -> dict:
 
 def _spawn(cfg: dict) -> dict:
     cmd = [sys.executable, "-m", "experiments.bench_throughput", f"--child={json.dumps(cfg)}"]
-    # A deviceless GPU compile: no CUDA driver to check, and the Pallas kernels compile (not interpret).
-    deviceless = dict(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", JAXDP_PALLAS_INTERPRET="0")
+    # A deviceless GPU compile: no CUDA driver to check, the Pallas kernels compile (not interpret), and
+    # strategy="auto" plans with the target's rates.
+    deviceless = dict(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", JAXDP_PALLAS_INTERPRET="0",
+                      JAXDP_DEVICE_KIND=cfg.get("target") or "")
     env = dict(os.environ, **deviceless) if cfg.get("target") else None
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT.value, env=env)

@@ -11,6 +11,7 @@ Re-measure a device with `python -m benchmarks.measure_rates` and add its row.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 
 import jax
@@ -60,9 +61,11 @@ TABLE = (H100, CPU)
 
 def current() -> DeviceRates:
     """The rates of the default device: its row of `TABLE` by device kind; an unlisted GPU gets the
-    H100's, any other device the CPU's."""
+    H100's, any other device the CPU's. JAXDP_DEVICE_KIND=<kind> overrides the device (a deviceless
+    compile for a GPU on a CPU machine sets it: `experiments/bench_throughput.py --target`)."""
     device = jax.devices()[0]
+    kind = os.environ.get("JAXDP_DEVICE_KIND") or device.device_kind
     for rates in TABLE:
-        if rates.device_kind.lower() in device.device_kind.lower():
+        if rates.device_kind.lower() in kind.lower() or kind.lower() in rates.device_kind.lower():
             return rates
     return H100 if device.platform == "gpu" else CPU

@@ -20,8 +20,8 @@ draws. So, everywhere in jaxdp:
   (`jaxdp.training`), never in a file a user would share.
 
 Noise, once per logical batch: `split_step_key(key, n)` splits the state's
-key into the next state key and one key per parameter leaf; a leaf's noise is
-`gaussian(leaf_key, shape, dtype, std)`, or, when the leaf is reduce-scattered
+key into the next state key and one key per parameter leaf; `gaussians`
+draws each leaf's noise from its key, or, when the leaf is reduce-scattered
 over devices (ZeRO 2/3), each shard draws its own block from
 `fold_in(leaf_key, shard)` so no device generates the full noise tensor.
 `add_noise` is the single-device composition; `jaxdp.fused_clip` and
@@ -110,11 +110,30 @@ def split_step_key(key: jax.Array, num_leaves: int) -> tuple[jax.Array, list[jax
     return key, list(jax.random.split(noise_key, num_leaves))
 
 
-def gaussian(leaf_key: jax.Array, shape, dtype, std: float, *, shard: jax.Array | None = None) -> jax.Array:
-    """N(0, std^2) noise for one leaf; `shard`: this device's block of a reduce-scattered leaf."""
-    if shard is not None:
-        leaf_key = jax.random.fold_in(leaf_key, shard)
-    return std * jax.random.normal(leaf_key, shape, dtype)
+def gaussians(leaf_keys, leaves, std: float, shards=None) -> list[jax.Array]:
+    """N(0, std^2) noise like each of `leaves` (arrays or ShapeDtypeStructs) from its key.
+
+    `shards[i]` (None, or a traced device index): leaf i is this device's block of a
+    reduce-scattered gradient, drawn from `fold_in(leaf_keys[i], shards[i])`. Leaves of
+    one shape, dtype and sharding draw in ONE vmapped call: the values are those of
+    one call per leaf, but the program holds one random-number generator per group
+    (GPT-2 small: 13 instead of 148; the per-leaf draws made up 2/3 of the DP step's
+    HLO and most of its compile time).
+    """
+    shards = [None] * len(leaves) if shards is None else list(shards)
+    groups: dict = {}
+    for i, (leaf, shard) in enumerate(zip(leaves, shards)):
+        groups.setdefault((tuple(leaf.shape), jnp.dtype(leaf.dtype), shard is None), []).append(i)
+    out = [None] * len(leaves)
+    for (shape, dtype, replicated), members in groups.items():
+        keys = jnp.stack([leaf_keys[i] for i in members])
+        if not replicated:
+            index = [shards[i] for i in members]
+            keys = jax.vmap(jax.random.fold_in)(keys, jnp.stack(index))
+        draws = std * jax.vmap(lambda k: jax.random.normal(k, shape, dtype))(keys)
+        for j, i in enumerate(members):
+            out[i] = draws[j]
+    return out
 
 
 def add_noise(tree, key: jax.Array, std: float):
@@ -122,5 +141,5 @@ def add_noise(tree, key: jax.Array, std: float):
     leaves, treedef = jax.tree.flatten(tree)
     key, leaf_keys = split_step_key(key, len(leaves))
     if std > 0:
-        leaves = [s + gaussian(k, s.shape, s.dtype, std) for s, k in zip(leaves, leaf_keys)]
+        leaves = [s + n for s, n in zip(leaves, gaussians(leaf_keys, leaves, std))]
     return key, jax.tree.unflatten(treedef, leaves)

@@ -200,18 +200,19 @@ class ShardedDPStep:
                 losses = jax.lax.psum(losses, SEQ)
         leaves, treedef = jax.tree.flatten(sums)
         dims = jax.tree.leaves(self.grad_dims)
-        out = []
-        for s, d, key in zip(leaves, dims, leaf_keys):
-            shard = None
+        reduced, shards = [], []
+        for s, d in zip(leaves, dims):
             if d < 0:  # one all-reduce over the whole mesh
-                s = jax.lax.psum(s, (DATA, SEQ) if cp_axis is not None else DATA)
+                reduced.append(jax.lax.psum(s, (DATA, SEQ) if cp_axis is not None else DATA))
+                shards.append(None)
             else:      # seq partials summed, then reduce-scattered over data
                 s = jax.lax.psum(s, SEQ) if cp_axis is not None else s
-                s = jax.lax.psum_scatter(s, DATA, scatter_dimension=d, tiled=True)
-                shard = jax.lax.axis_index(DATA)
-            if self.noise_std > 0:
-                s = s + noise_lib.gaussian(key, s.shape, s.dtype, self.noise_std, shard=shard)
-            out.append(s / self.expected_batch_size)
+                reduced.append(jax.lax.psum_scatter(s, DATA, scatter_dimension=d, tiled=True))
+                shards.append(jax.lax.axis_index(DATA))
+        if self.noise_std > 0:
+            noise = noise_lib.gaussians(leaf_keys, reduced, self.noise_std, shards)
+            reduced = [s + n for s, n in zip(reduced, noise)]
+        out = [s / self.expected_batch_size for s in reduced]
         return losses, jax.tree.unflatten(treedef, out)
 
     def _clipped_sums(self, params, rest, batch, cp_axis):
