@@ -4,6 +4,7 @@ from jaxdp import accounting
 from jaxdp import data
 from jaxdp import models
 from jaxdp import nn
+from jaxdp import noise
 from jaxdp import pallas
 from jaxdp import reference
 from jaxdp import sampling
@@ -38,6 +39,7 @@ __all__ = [
     "group_thresholds",
     "models",
     "nn",
+    "noise",
     "pallas",
     "per_example_grads",
     "reference",

@@ -97,10 +97,11 @@ def clip_factors(norms_B: jax.Array, threshold: float, clip_fn: str, gamma: floa
     return threshold / (norms_B + gamma)
 
 
-def stored_clipped_sum(G_BPD: jax.Array, c_B: jax.Array, keep_B: jax.Array) -> jax.Array:
-    """sum_b c_b G_b of kept per-example gradients; examples with keep_B False contribute exact zeros."""
-    dt = jnp.promote_types(G_BPD.dtype, c_B.dtype)
-    G = jnp.where(keep_B[:, None, None], G_BPD.astype(dt), 0)
+def materialized_clipped_sum(G_B: jax.Array, c_B: jax.Array, keep_B: jax.Array) -> jax.Array:
+    """sum_b c_b G_b of materialised per-example gradients (B, *shape); examples with keep_B False
+    contribute exact zeros."""
+    dt = jnp.promote_types(G_B.dtype, c_B.dtype)
+    G = jnp.where(keep_B.reshape((-1,) + (1,) * (G_B.ndim - 1)), G_B.astype(dt), 0)
     return jnp.tensordot(jnp.where(keep_B, c_B, 0).astype(dt), G, axes=1, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -129,11 +130,7 @@ def clipped_sum(grad: FactoredGrad, c_B: jax.Array, keep_B: jax.Array, *, pallas
             g = jnp.where(keep_B[:, None, None], term.g_BTD.astype(dt) * c_B[:, None, None].astype(dt), 0)
             part = jnp.zeros(term.shape, dt).at[term.ids_BT.reshape(-1)].add(g.reshape(-1, g.shape[-1]))
         elif isinstance(term, DenseTerm):
-            dt = jnp.promote_types(term.value_B.dtype, c_B.dtype)
-            keep = keep_B.reshape((-1,) + (1,) * (term.value_B.ndim - 1))
-            v = jnp.where(keep, term.value_B.astype(dt), 0)
-            part = jnp.tensordot(jnp.where(keep_B, c_B, 0).astype(dt), v, axes=1,
-                                 precision=jax.lax.Precision.HIGHEST)
+            part = materialized_clipped_sum(term.value_B, c_B, keep_B)
         else:
             raise TypeError(f"unknown term type {type(term).__name__}")
         total = part if total is None else total + part

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Hashable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxdp import clipping as clipping_lib
 from jaxdp import device_rates
 from jaxdp import noise as noise_lib
 from jaxdp import norms as norms_lib
-from jaxdp.terms import FactoredGrad, LinearTerm, as_factored, is_factored
+from jaxdp.terms import DenseTerm, FactoredGrad, LinearTerm, as_factored, is_factored
 
 
 class FusedClipState(NamedTuple):
@@ -77,15 +79,14 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     groups = [clipping_lib.group_of(p, clipping) for p in paths]
     thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
     single = _single_linear_terms(factored, groups) if strategy == "pallas" and squared_norms_fn is None else {}
-    stored = {} if squared_norms_fn is not None else _stored_gradients(factored, strategy, chunk_size,
-                                                                         memory_budget_bytes, store_budget_bytes)
-    sq_by_group: dict = {}
-    bound_by_group: dict = {}
+    dense = {} if squared_norms_fn is not None else _materialized(factored, strategy, chunk_size,
+                                                                    memory_budget_bytes, store_budget_bytes)
+    sq_by_group, bound_by_group = _materialized_sq_norms(dense, groups, factored[0].batch_size)
     for i, (grad, group) in enumerate(zip(factored, groups)):
+        if i in dense:
+            continue
         if squared_norms_fn is not None:
             sq, bound = squared_norms_fn(grad)
-        elif i in stored:
-            sq, bound = jnp.sum(jnp.square(stored[i]), axis=(1, 2)), norms_lib.rounding_bound(grad)
         else:
             skip = single[group][1] if single.get(group, (None,))[0] == i else None
             sq = norms_lib.squared_norms(grad, strategy, chunk_size=chunk_size,
@@ -107,9 +108,10 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
         linear_sums = _redo_if_dropped_late(linear_sums, factored, single, norms, keep_pre_B, keep_B, factors)
     pallas = strategy == "pallas"
     sums = []
+    dense_sums = _materialized_sums(dense, groups, factors, keep_B)
     for i, (grad, group) in enumerate(zip(factored, groups)):
-        if i in stored:
-            sums.append(clipping_lib.stored_clipped_sum(stored[i], factors[group], keep_B))
+        if i in dense:
+            sums.append(dense_sums[i])
             continue
         if single.get(group, (None,))[0] != i:
             sums.append(clipping_lib.clipped_sum(grad, factors[group], keep_B, pallas=pallas))
@@ -122,6 +124,63 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
             part = part + clipping_lib.clipped_sum(FactoredGrad(rest), factors[group], keep_B, pallas=True)
         sums.append(part)
     return jax.tree.unflatten(treedef, sums), norms
+
+
+# Materialised per-example gradients: small dense ones (biases, norm scales) and the G_b that strategy
+# "store" / "auto" keeps. Their squared norms are sums of squares, so they need no cancellation bound
+# (the clipped contribution IS c_b times the array whose norm was taken); the small ones of a group are
+# concatenated, so that their norms and clipped sums are one reduction each, not one per parameter
+# (GPT-2 small has 98 of them: ~300 small reductions in the DP step otherwise).
+_SMALL = 1 << 16  # elements per example below which a materialised gradient is batched with its group
+
+
+def _materialized(factored, strategy: str, chunk_size: int, memory_budget_bytes: int,
+                  store_budget_bytes: int | None) -> dict:
+    """{parameter index: per-example gradients (B, *shape)}: every single-DenseTerm parameter, and the
+    kept G_b of `_stored_gradients`."""
+    dense = {i: grad.terms[0].value_B for i, grad in enumerate(factored)
+             if len(grad.terms) == 1 and isinstance(grad.terms[0], DenseTerm)}
+    return {**dense, **_stored_gradients(factored, strategy, chunk_size, memory_budget_bytes, store_budget_bytes)}
+
+
+def _flat_f32(v):
+    return v.reshape(v.shape[0], -1).astype(jnp.promote_types(v.dtype, jnp.float32))
+
+
+def _batched(dense: dict, groups) -> tuple[dict, list]:
+    """({group: indices of its small materialised gradients}, indices of the large ones)."""
+    small, large = {}, []
+    for i, v in dense.items():
+        if math.prod(v.shape[1:]) < _SMALL:
+            small.setdefault(groups[i], []).append(i)
+        else:
+            large.append(i)
+    return small, large
+
+
+def _materialized_sq_norms(dense: dict, groups, B: int) -> tuple[dict, dict]:
+    """({group: squared norms (B,)}, {group: zero bounds}) of the materialised gradients."""
+    small, large = _batched(dense, groups)
+    sq: dict = {}
+    for group, members in small.items():
+        sq[group] = jnp.sum(jnp.square(jnp.concatenate([_flat_f32(dense[i]) for i in members], axis=1)), axis=1)
+    for i in large:
+        part = jnp.sum(jnp.square(_flat_f32(dense[i])), axis=1)
+        sq[groups[i]] = part if groups[i] not in sq else sq[groups[i]] + part
+    return sq, {g: jnp.zeros(B, jnp.float32) for g in sq}
+
+
+def _materialized_sums(dense: dict, groups, factors: dict, keep_B) -> dict:
+    """{parameter index: sum_b c_b G_b} of the materialised gradients (dropped examples: exact zeros)."""
+    small, large = _batched(dense, groups)
+    sums = {i: clipping_lib.materialized_clipped_sum(dense[i], factors[groups[i]], keep_B) for i in large}
+    for group, members in small.items():
+        total = clipping_lib.materialized_clipped_sum(
+            jnp.concatenate([_flat_f32(dense[i]) for i in members], axis=1), factors[group], keep_B)
+        offsets = np.cumsum([0] + [math.prod(dense[i].shape[1:]) for i in members])
+        for i, lo, hi in zip(members, offsets[:-1], offsets[1:]):
+            sums[i] = total[lo:hi].reshape(dense[i].shape[1:])
+    return sums
 
 
 def _stored_gradients(factored, strategy: str, chunk_size: int, memory_budget_bytes: int,

@@ -33,7 +33,7 @@ from jaxdp.terms import EmbedTerm, FactoredGrad, LinearTerm
 
 TRIALS = 300
 C = 1.0
-STRATEGIES = ["ghost", "instantiate", "auto", "pallas"]
+STRATEGIES = ["ghost", "instantiate", "store", "auto", "pallas"]
 
 
 SEVERE = 100.0  # |parts| / |G| above which the cancellation is "severe"

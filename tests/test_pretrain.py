@@ -235,11 +235,13 @@ def test_fresh_runs_draw_secret_roots(reference_run, corpus, tmp_path):
 
 
 def saved_noise_key(workdir) -> np.ndarray:
-    """The noise key data in the latest checkpoint (fused_clip's state: the only uint32 pair)."""
+    """The noise key data in the latest checkpoint (fused_clip's state: the only uint32 leaf of a noise key's shape)."""
+    import jax
+    shape = jax.random.key_data(noise.secret_key()).shape
     checkpointer = run_dir.Checkpointer(workdir / "checkpoints")
     leaves = checkpointer.saved_leaves(checkpointer.latest_step())
     checkpointer.close()
-    (key,) = [x for x in map(np.asarray, leaves) if x.dtype == np.uint32 and x.shape == (2,)]
+    (key,) = [x for x in map(np.asarray, leaves) if x.dtype == np.uint32 and x.shape == shape]
     return key
 
 
@@ -253,9 +255,10 @@ def assert_root_seed_stays_private(workdir, root: int, num_steps: int) -> None:
             key, _ = noise.split_step_key(key, 1)
         return np.asarray(jax.random.key_data(key))
 
-    key0 = noise.key_from_seed(noise.derive_seed(root, noise.NOISE))
+    key0 = noise.noise_key_from_seed(noise.derive_seed(root, noise.NOISE))
     np.testing.assert_array_equal(saved_noise_key(workdir), after_steps(key0))
-    assert not np.array_equal(saved_noise_key(workdir), after_steps(jax.random.key(0 + 1)))
+    published = noise.check_key(jax.random.key(0 + 1), "9428dda's noise key")
+    assert not np.array_equal(saved_noise_key(workdir), after_steps(published))
     derived = [noise.derive_seed(root, d) for d in (noise.SAMPLER, noise.NOISE, noise.INIT)]
     key_data = [np.asarray(jax.random.key_data(key0)), after_steps(key0)]
     needles = ([str(x).encode() for x in [root] + derived] + [f"{root:x}".encode()]

@@ -97,7 +97,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     model = build_model(p.model_config, p.derive_seed(noise_lib.INIT))
     optimizer = make_optimizer(config, model, noise_multiplier=p.noise_multiplier,
                                expected_batch_size=config.batch_size,
-                               noise_key=noise_lib.key_from_seed(p.derive_seed(noise_lib.NOISE)))
+                               noise_key=noise_lib.noise_key_from_seed(p.derive_seed(noise_lib.NOISE)))
     tracker = None
     if dp:
         tracker = accounting.BudgetTracker(p.noise_multiplier, q, p.delta_mechanism,
