@@ -112,7 +112,10 @@ def _contributions(arrays, *, strategy, clipping, kind):
 contributions = jax.jit(_contributions, static_argnames=("strategy", "clipping", "kind"))
 
 
-CASES = [("linear", "flat"), ("linear_pair", "flat"), ("linear", "per_layer"), ("tied", "flat")]
+# One parameter is one group under flat and per-layer clipping alike (with strategy="pallas", the single-pass
+# kernel); two linear layers under flat clipping take the norm + clipped-sum kernels; the tied embedding
+# cancels across its lookup and head uses.
+CASES = [("linear", "flat"), ("linear_pair", "flat"), ("linear_pair", "per_layer"), ("tied", "flat")]
 
 
 def _check(kind, clipping, strategy, dtype, seed, contributions_fn=contributions):
