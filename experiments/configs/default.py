@@ -21,6 +21,8 @@ def get_config() -> config_dict.ConfigDict:
     c.batch_size = 48                    # EXPECTED logical batch size q * N (Poisson sampling)
     c.max_batch_size = config_dict.placeholder(int)  # padded batch size; None: the smallest whose sampling slack <= delta / 10
     c.accumulation_steps = 1             # micro-batches per logical batch (max_batch_size is split)
+    c.memory_budget_gb = config_dict.placeholder(float)  # None: as set; a number: at least accumulation_steps
+                                         # micro-batches, doubled until the compiled step fits this many GiB
     c.seq_len = 128                      # tokens per window (a DP record has seq_len + 1 tokens)
 
     c.learning_rate = 3e-3               # peak learning rate of adamw

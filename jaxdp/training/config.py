@@ -28,7 +28,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -52,6 +54,7 @@ from jaxdp.sampling import (
     overflow_slack,
 )
 from jaxdp.sharding.dp_step import METHODS, check_mesh_strategy
+from jaxdp.training import steps
 from jaxdp.training.run_dir import CHECKPOINT_DIR, CONFIG_FILE, TOKENIZER_DIR, latest_checkpoint_meta
 
 
@@ -206,6 +209,12 @@ def validate_config(config) -> None:
                                         and all(isinstance(t, str) and t.strip() for t in sample.prompts)),
              "config.sample.prompts must be None (the built-in public prompts) or a non-empty tuple of "
              f"non-empty strings, e.g. \"('The', 'We')\", got {sample.prompts!r}")
+    budget = config.memory_budget_gb
+    _require(budget is None or (isinstance(budget, (int, float)) and budget > 0 and math.isfinite(budget)),
+             f"config.memory_budget_gb must be None or a number > 0, got {budget!r}")
+    _require(budget is None or not runs_sharded_step(config),
+             "config.memory_budget_gb sizes micro-batches of the single-device step; a mesh or "
+             "config.dp.method='two_pass' needs it None")
     mb = config.max_batch_size
     _require(mb is None or (isinstance(mb, int) and mb >= config.accumulation_steps),
              f"config.max_batch_size must be None or an integer >= accumulation_steps, got {mb!r}")
@@ -249,6 +258,7 @@ class Prepared:
     valid: data_lib.TokenWindows
     model_config: GPT2Config | LlamaConfig
     sampler: PoissonSampler
+    accumulation_steps: int            # micro-batches per logical batch (config's, or planned for memory_budget_gb)
     noise_multiplier: float
     eval_indices: np.ndarray
     root_seed: int = dataclasses.field(repr=False)  # secret: kept only in checkpoints
@@ -280,9 +290,8 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     cfg_json["seed"] = PINNED_SEED if seed_pinned else None  # never the seed itself
     saved = workdir / CONFIG_FILE
     if saved.is_file():
-        old = json.loads(saved.read_text())
-        diff = sorted(k for k in set(_flat(old)) | set(_flat(cfg_json))  # the seed was checked above
-                      if k != "seed" and _flat(old).get(k) != _flat(cfg_json).get(k))
+        old, new = _run_defining(json.loads(saved.read_text())), _run_defining(cfg_json)
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         if diff:
             raise ConfigError(
                 f"workdir {workdir} holds a run with a different config (differs in: "
@@ -325,7 +334,10 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
                                  seed=noise_lib.derive_seed(root_seed, noise_lib.SAMPLER), overflow=dp.overflow)
     except ValueError as e:
         raise ConfigError(f"sampler: {e}") from None
-    sampler.max_batch_size = _round_batch(config, sampler.max_batch_size)
+    k = config.accumulation_steps
+    if config.memory_budget_gb is not None:
+        k = plan_accumulation(config, sampler.max_batch_size, tokenizer.vocab_size, progress=progress)
+    sampler.max_batch_size = _round_batch(config, sampler.max_batch_size, k)
     delta_mechanism = slack = None
     sigma = 0.0
     if dp.enabled:
@@ -351,7 +363,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     eval_indices = np.unique(np.linspace(0, m - 1, min(m, config.eval_windows)).astype(np.int64))
     mc = model_config(config.model, tokenizer.vocab_size, dtype=config.dtype, remat=config.remat)
     return Prepared(config=config, config_json=cfg_json, workdir=workdir, tokenizer=tokenizer, train=train,
-                    valid=valid, model_config=mc, sampler=sampler, noise_multiplier=sigma,
+                    valid=valid, model_config=mc, sampler=sampler, accumulation_steps=k, noise_multiplier=sigma,
                     eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
                     delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
                     max_batch_size_from=max_batch_size_from)
@@ -360,10 +372,38 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
 _SLACK_BOUND = f"delta / {1 / DEFAULT_SLACK_FRACTION:g}"  # the share of delta overflow may take, in words
 
 
-def _round_batch(config, max_batch_size: int) -> int:
-    """`max_batch_size` rounded up to k equal micro-batches, then to equal shards over the `data` axis."""
-    max_batch_size += -max_batch_size % config.accumulation_steps
+def _round_batch(config, max_batch_size: int, k: int | None = None) -> int:
+    """`max_batch_size` rounded up to k (default config.accumulation_steps) equal micro-batches, then to
+    equal shards over the `data` axis."""
+    max_batch_size += -max_batch_size % (k or config.accumulation_steps)
     return max_batch_size + -max_batch_size % (config.mesh.data if runs_sharded_step(config) else 1)
+
+
+def plan_accumulation(config, max_batch_size: int, vocab_size: int, *, progress: Callable | None = None) -> int:
+    """The fewest micro-batches per logical batch whose compiled step fits config.memory_budget_gb.
+
+    Tries config.accumulation_steps, then twice as many, ... (micro-batch ceil(max_batch_size / k))
+    until the single-device step's compiled bytes (`memory_analysis()`: arguments + outputs +
+    temporaries - aliased) fit the budget or the micro-batch is 1. The logical batch, hence the
+    guarantee, is unchanged: noise is still added once per logical batch. Compiles on shapes only.
+    """
+    budget = config.memory_budget_gb * 2**30
+    mc = model_config(config.model, vocab_size, dtype=config.dtype, remat=config.remat)
+    model = nnx.eval_shape(lambda: build_model(mc, 0))
+    k = config.accumulation_steps
+    while True:
+        micro = -(-max_batch_size // k)
+        nbytes = steps.compiled_step_bytes(config, model, micro, k)
+        fits = nbytes <= budget
+        if progress is not None or not fits:
+            print(f"micro-batch {micro} (accumulation {k}): compiled step {nbytes / 2**30:.2f} GiB "
+                  f"{'<=' if fits else '>'} config.memory_budget_gb = {config.memory_budget_gb:g}",
+                  file=sys.stderr, flush=True)
+        if fits:
+            return k
+        _require(micro > 1, f"even micro-batch 1 needs {nbytes / 2**30:.2f} GiB > config.memory_budget_gb = "
+                            f"{config.memory_budget_gb:g}: raise it, or use remat / a mesh")
+        k *= 2
 
 
 PINNED_SEED = "pinned (kept in the checkpoint)"  # config.json's `seed` when config.seed was set
@@ -392,6 +432,26 @@ def _same_on_every_host(seed: int) -> int:
     words = np.array([(seed >> (32 * i)) & 0xFFFFFFFF for i in range(4)], np.uint32)  # 128 bits
     words = np.asarray(multihost_utils.broadcast_one_to_all(words))
     return sum(int(w) << (32 * i) for i, w in enumerate(words))
+
+
+_PATH_FIELDS = ("data.path", "data.cache_dir")  # compared as resolved paths, not as spelled
+
+
+def _run_defining(cfg_json: dict) -> dict:
+    """The flattened config fields that define a run, for comparing a saved run with a resumed one.
+
+    Not `workdir` (the run directory is the one being resumed however it is spelled: relative,
+    absolute, trailing slash) nor `seed` (checked against the checkpoint by `_root_seed`); paths
+    resolved, so `corpus.txt` and `./corpus.txt` are the same corpus.
+    """
+    flat = _flat(cfg_json)
+    flat.pop("workdir", None)
+    flat.pop("seed", None)
+    for key in _PATH_FIELDS:
+        path = flat.get(key)
+        if isinstance(path, str) and path and os.path.exists(os.path.expanduser(path)):
+            flat[key] = os.path.realpath(os.path.expanduser(path))  # a corpus name stays a name
+    return flat
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

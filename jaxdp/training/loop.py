@@ -91,13 +91,14 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         p.tokenizer.save(workdir / TOKENIZER_DIR)
 
     dp = config.dp.enabled
-    k = config.accumulation_steps
+    k = p.accumulation_steps
     sampler = p.sampler
     q = sampler.sampling_probability
     model = build_model(p.model_config, p.derive_seed(noise_lib.INIT))
     optimizer = make_optimizer(config, model, noise_multiplier=p.noise_multiplier,
                                expected_batch_size=config.batch_size,
-                               noise_key=noise_lib.noise_key_from_seed(p.derive_seed(noise_lib.NOISE)))
+                               noise_key=noise_lib.noise_key_from_seed(p.derive_seed(noise_lib.NOISE)),
+                               accumulation_steps=k)
     tracker = None
     if dp:
         tracker = accounting.BudgetTracker(p.noise_multiplier, q, p.delta_mechanism,
@@ -220,6 +221,8 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         "sampling_probability": q,
         "expected_batch_size": config.batch_size,
         "max_batch_size": sampler.max_batch_size,
+        "accumulation_steps": k,
+        "micro_batch_size": sampler.max_batch_size // k,
         "max_batch_size_from": p.max_batch_size_from,
         "num_train_windows": p.train.num_windows,
         "model": config.model.family,

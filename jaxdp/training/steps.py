@@ -42,17 +42,23 @@ def cp_lm_losses(model: nnx.Module, batch) -> jax.Array:
 # ------------------------------------------------------------------ optimizer
 
 
+def _tx_of(config, noise_multiplier: float, expected_batch_size: float, accumulation_steps: int | None):
+    dp = config.dp
+    return _make_tx(accumulation_steps or config.accumulation_steps, config.learning_rate, config.min_lr_ratio,
+                    config.warmup_steps, config.steps, config.b1, config.b2, config.weight_decay,
+                    dp.enabled, dp.l2_norm_clip, float(noise_multiplier), float(expected_batch_size),
+                    dp.clipping, dp.clip_fn, "auto" if dp.strategy == "reference" else dp.strategy)
+
+
 def make_optimizer(config, model: nnx.Module, *, noise_multiplier: float, expected_batch_size: float,
-                   noise_key: jax.Array | None) -> nnx.Optimizer:
+                   noise_key: jax.Array | None, accumulation_steps: int | None = None) -> nnx.Optimizer:
     """adamw (wrapped in MultiSteps when accumulating), behind `fused_clip` when DP is on.
 
     `noise_key`: the run's noise key (required with DP), written into fused_clip's state.
+    `accumulation_steps`: micro-batches per logical batch (default config.accumulation_steps).
     """
     dp = config.dp
-    tx = _make_tx(config.accumulation_steps, config.learning_rate, config.min_lr_ratio,
-                  config.warmup_steps, config.steps, config.b1, config.b2, config.weight_decay,
-                  dp.enabled, dp.l2_norm_clip, float(noise_multiplier), float(expected_batch_size),
-                  dp.clipping, dp.clip_fn, "auto" if dp.strategy == "reference" else dp.strategy)
+    tx = _tx_of(config, noise_multiplier, expected_batch_size, accumulation_steps)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     if dp.enabled:
         if noise_key is None:
@@ -81,6 +87,20 @@ def _make_tx(k, learning_rate, min_lr_ratio, warmup_steps, steps, b1, b2, weight
                    key=None, clipping=clipping, clip_fn=clip_fn, strategy=strategy,
                    accumulation_steps=k),
         inner)
+
+
+def compiled_step_bytes(config, model: nnx.Module, micro_batch: int, accumulation_steps: int) -> int:
+    """Bytes of the job's single-device step compiled for `micro_batch` windows (shapes only, nothing runs):
+    arguments + outputs + temporaries - aliased, from XLA's `memory_analysis()`."""
+    tx = _tx_of(config, 1.0, float(config.batch_size), accumulation_steps)
+    optimizer = nnx.eval_shape(lambda: nnx.Optimizer(model, tx, wrt=nnx.Param))
+    batch = {"tokens": jax.ShapeDtypeStruct((micro_batch, config.seq_len + 1), jnp.int32),
+             "mask": jax.ShapeDtypeStruct((micro_batch,), jnp.bool_)}
+    if not config.dp.enabled:
+        batch["divisor"] = jax.ShapeDtypeStruct((), jnp.float32)
+    step = make_train_step(config.dp.enabled, per_example="reference" if config.dp.strategy == "reference" else "jaxdp")
+    a = step.lower(model, optimizer, batch).compile().memory_analysis()
+    return a.argument_size_in_bytes + a.output_size_in_bytes + a.temp_size_in_bytes - a.alias_size_in_bytes
 
 
 # ------------------------------------------------------------------ single-device steps
