@@ -8,9 +8,10 @@ The shareable part of a run directory is enough: `model/`, `config.json` and
 
 import sys
 
-from absl import app
 from absl import flags
 from absl import logging
+
+from jaxdp.training import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/pretrain_gpt2", "Run directory.")
 _PROMPT = flags.DEFINE_string("prompt", "The state of the Union", "Text to continue.")
@@ -39,4 +40,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)

@@ -24,13 +24,12 @@ resumes the run in `--config.workdir`. The logic lives in `jaxdp.training`.
 import os
 import sys
 
-from absl import app
 from absl import logging
-from ml_collections import config_flags
+
+from jaxdp.training import cli
 
 _DEFAULT = os.path.join(os.path.dirname(__file__), "configs", "default.py")
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Training config file.",
-                                          lock_config=True)
+_CONFIG = cli.define_config("config", _DEFAULT, "Training config file.")
 
 
 def _print_summary(s: dict, workdir: str) -> None:
@@ -69,4 +68,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)

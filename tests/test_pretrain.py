@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments.configs import default
 from jaxdp import noise, training
@@ -386,6 +387,9 @@ def _existing_run_dir(path):
     ({"sample.prompts": ("The", " ")}, "config.sample.prompts"),
     ({"sample.num": -1}, "config.sample.num"),
     ({"max_batch_size": 8}, r"config.max_batch_size = 8 .*sampling slack .*smallest max_batch_size accepted is"),
+    ({"memory_budget_gb": -1.0}, "config.memory_budget_gb"),
+    ({"memory_budget_gb": 1.0, "dp.method": "two_pass"}, "config.memory_budget_gb .*None"),
+    ({"memory_budget_gb": 1e-9}, "even micro-batch 1 needs"),
     ({"seq_len": 16, "model.max_seq_len": 16, "data.validation_fraction": 1e-9}, None),
 ])
 def test_bad_config_is_rejected_before_touching_workdir(corpus, tmp_path, overrides, needle):
@@ -419,11 +423,39 @@ def test_max_batch_size_whose_slack_exceeds_a_tenth_of_delta_is_refused(corpus, 
             prepare(smallest - 1, k)
 
 
+def test_memory_budget_picks_the_micro_batch(corpus, tmp_path):
+    """config.memory_budget_gb: accumulation doubles from config.accumulation_steps until the compiled
+    step fits (issue 13: the shipped GPU config asked for 58 GiB at micro-batch 64 on an 80 GB H100);
+    the logical batch stays whole (max_batch_size a multiple of the micro-batches)."""
+    from jaxdp.training import steps
+    kw = {"dp.noise_multiplier": 1.0}  # a fixed sigma: no calibration
+    plain = training.prepare(tiny_config(corpus, tmp_path / "a", **kw))
+    assert plain.accumulation_steps == 1
+    model = nnx.eval_shape(lambda: training.build_model(plain.model_config, 0))
+    c = tiny_config(corpus, tmp_path / "b", **kw)
+    whole = steps.compiled_step_bytes(c, model, plain.sampler.max_batch_size, 1)
+    half = steps.compiled_step_bytes(c, model, -(-plain.sampler.max_batch_size // 2), 2)
+    assert half < whole
+    budget = (half + whole) / 2 / 2**30  # fits two micro-batches, not one
+    p = training.prepare(tiny_config(corpus, tmp_path / "b", memory_budget_gb=budget, **kw))
+    assert p.accumulation_steps == 2 and p.sampler.max_batch_size % 2 == 0
+    assert training.prepare(tiny_config(corpus, tmp_path / "c", memory_budget_gb=1e3, **kw)).accumulation_steps == 1
+
+
 def test_empty_corpus_is_rejected(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("   \n")
     with pytest.raises(training.ConfigError, match="no text"):
         training.prepare(tiny_config(empty, tmp_path / "run"))
+
+
+def test_resume_by_absolute_path_or_trailing_slash(reference_run, corpus, monkeypatch):
+    """The run directory is the same however it is spelled; so is the corpus path."""
+    workdir, _ = reference_run
+    monkeypatch.chdir(workdir.parent)
+    for spelling in (str(workdir.resolve()), str(workdir) + "/", workdir.name, f"./{workdir.name}/"):
+        for path in (str(corpus), os.path.relpath(corpus)):
+            training.prepare(tiny_config(path, spelling))  # raises on "a different config"
 
 
 def test_changed_config_in_existing_run_is_rejected(reference_run, corpus):
@@ -545,8 +577,15 @@ def test_cli_bad_input_one_line_and_run_dir_intact(cli_run, extra, needle):
     assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
 
 
-def test_cli_mistyped_key_fails_with_suggestion(tmp_path):
-    out = run_cli([f"--config.workdir={tmp_path / 'run'}", "--config.dp.target_epsilom=3"])
-    assert out.returncode != 0
-    assert "target_epsilon" in out.stderr  # ml_collections suggests the close key
+@pytest.mark.parametrize("arg,needles", [
+    ("--config.dp.target_epsilom=3", ("config.dp.target_epsilom", 'Did you mean "target_epsilon"')),
+    ("--config.steps=abc", ("--config.steps=abc", "invalid literal")),
+])
+def test_cli_bad_flag_exits_2_with_one_line(tmp_path, arg, needles):
+    """A mistyped key names the key and keeps ml_collections' hint; a value of the wrong type names the
+    flag; both one `error:` line, exit status 2, nothing written."""
+    out = run_cli([f"--config.workdir={tmp_path / 'run'}", arg])
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-2000:]
+    assert all(n in lines[0] for n in needles), lines[0]
     assert not (tmp_path / "run").exists()

@@ -1,0 +1,54 @@
+"""Command-line entry for the jobs: one-line errors for bad flags, exit status 2.
+
+`run(main)` is `absl.app.run(main)` whose flag parsing turns an unknown or
+mistyped `--config.<key>` (ml_collections' "Did you mean ...?" hint kept), a
+value of the wrong type, or an unknown flag into one line on stderr,
+`error: ...`, and exit status 2, the status `ConfigError` gets in the jobs.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+
+def flag_error_message(error: BaseException, argv: list[str] = ()) -> str:
+    """The one-line message for an error raised while parsing the command line."""
+    text = str(error)
+    if isinstance(error, (AttributeError, KeyError)):
+        # ml_collections: AttributeError("'stepz'\nDid you mean \"steps\" instead of \"stepz\"?")
+        text = text.replace("\\n", "\n").replace("\\'", "'").strip("'\"")
+        key, _, hint = text.partition("\n")
+        key = key.strip("'\"")
+        flag = next((a.split("=")[0] for a in argv if a.startswith("--") and key in a.split("=")[0].split(".")), None)
+        text = (f"unknown config key {flag[2:] if flag else key!r}"
+                + (f" ({hint.strip()})" if hint.strip() else ""))
+    return "error: " + " ".join(text.split())
+
+
+def define_config(name: str, default: str, help_string: str):
+    """`config_flags.DEFINE_config_file`, locked; a bad `--<name>.<key>` override (it is read from
+    sys.argv right here) prints one `error: ...` line and exits 2."""
+    try:
+        return config_flags.DEFINE_config_file(name, default, help_string, lock_config=True)
+    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+        print(flag_error_message(e, sys.argv), file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing; a bad flag prints one `error: ...` line and exits 2."""
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+        print(flag_error_message(e, argv), file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def run(main: Callable[[list[str]], int | None]) -> None:
+    """`app.run(main, flags_parser=parse_flags)`; main's return value is the exit status."""
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
