@@ -1,0 +1,302 @@
+"""Training runs for the one-run audit (`jaxdp.auditing`): white box (gradient canaries) and black box.
+
+`white_box_audit` is the CI-sized audit of the DP step itself (arXiv:2305.08846,
+section 6, white-box setting with many canaries per step): a tiny softmax
+regression built from `jaxdp.nn.Linear`, trained with DP-SGD through the real
+pipeline (`jaxdp.per_example_grads` -> `jaxdp.fused_clip` -> `optax.sgd`), on
+synthetic data plus m GRADIENT canaries. Canary i is a record whose per-example
+gradient is the fixed matrix `canary_norm * e_{p_i} e_{d_i}^T` on the kernel (a
+"Dirac" canary: one coordinate of its own), passed to `fused_clip` in factored
+form next to the data's per-example gradients. Each canary is in the dataset
+with probability 1/2, and, like every data record, Poisson-sampled into each
+step with probability q. The score of a canary is the inner product of its
+CLIPPED gradient with the total parameter change, sign-flipped so that
+"trained on" scores high (`jaxdp.auditing.gradient_scores`).
+
+The run claims epsilon = `jaxdp.accounting.epsilon(sigma, q, steps, delta)`
+(PLD). `bug` plants a privacy bug the claim does not know about, to show that
+the audit can fail:
+
+  "none"         the correct step.
+  "half_noise"   noise standard deviation sigma C / 2 (sigma halved).
+  "no_clipping"  per-example gradients are not clipped (the clip threshold is
+                 set far above every norm), noise still sigma C.
+
+The divisor of the noisy sum is q (n + m / 2), the EXPECTED dataset size, not
+one that depends on which canaries were drawn in (that would leak the count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxdp import accounting
+from jaxdp import auditing
+from jaxdp import nn
+from jaxdp.fused_clip import fused_clip
+from jaxdp.noise import secret_seed
+from jaxdp.per_example import per_example_grads
+from jaxdp.sampling import PoissonSampler
+from jaxdp.terms import DenseTerm, FactoredGrad, LinearTerm, is_factored
+
+BUGS = ("none", "half_noise", "no_clipping")
+_NO_CLIP_FACTOR = 1e6  # "no_clipping": C' = 1e6 C, noise multiplier sigma / 1e6 (same noise std)
+
+
+@dataclasses.dataclass(frozen=True)
+class WhiteBoxAudit:
+    """What `white_box_audit` ran, claimed and found."""
+    audit: auditing.AuditResult   # .epsilon: the lower bound
+    claimed_epsilon: float        # what the accountant says the run spent (inf for sigma = 0)
+    noise_multiplier: float
+    sampling_probability: float
+    steps: int
+    delta: float
+    bug: str
+    scores: np.ndarray            # (m,)
+    included: np.ndarray          # (m,) bool
+
+
+class _SoftmaxRegression(nnx.Module):
+    def __init__(self, features: int, classes: int, *, rngs: nnx.Rngs):
+        self.linear = nn.Linear(features, classes, rngs=rngs)
+
+    def __call__(self, x_BP):
+        return self.linear(x_BP)
+
+
+def _losses(model, batch):
+    nll_B = optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+    return jnp.where(batch["mask"], nll_B, 0.0)
+
+
+def _with_canaries(grads, x_M1P, g_M1D):
+    """The data's per-example gradients followed by the canaries': the model's one LinearTerm (its
+    kernel) gets the canaries' factors, every other term zeros for them."""
+    m = x_M1P.shape[0]
+
+    def extend(fg: FactoredGrad) -> FactoredGrad:
+        terms = []
+        for t in fg.terms:
+            if isinstance(t, LinearTerm):
+                terms.append(LinearTerm(jnp.concatenate([t.x_BTP, x_M1P.astype(t.x_BTP.dtype)]),
+                                        jnp.concatenate([t.g_BTD, g_M1D.astype(t.g_BTD.dtype)])))
+            elif isinstance(t, DenseTerm):
+                terms.append(DenseTerm(jnp.concatenate([t.value_B, jnp.zeros((m,) + t.shape, t.value_B.dtype)])))
+            else:
+                raise TypeError(f"unexpected term {type(t).__name__}")
+        return FactoredGrad(tuple(terms))
+
+    return jax.tree.map(extend, grads, is_leaf=is_factored)
+
+
+def _privatizer(bug: str, l2_norm_clip: float, noise_multiplier: float, expected_batch_size: float, key):
+    if bug == "none":
+        return fused_clip(l2_norm_clip, noise_multiplier, expected_batch_size=expected_batch_size, key=key)
+    if bug == "half_noise":
+        return fused_clip(l2_norm_clip, noise_multiplier / 2, expected_batch_size=expected_batch_size, key=key)
+    return fused_clip(l2_norm_clip * _NO_CLIP_FACTOR, noise_multiplier / _NO_CLIP_FACTOR,
+                      expected_batch_size=expected_batch_size, key=key)
+
+
+def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: int = 4,
+                    sampling_probability: float = 1.0, target_epsilon: float = 2.0,
+                    noise_multiplier: float | None = None, delta: float = 1e-5, l2_norm_clip: float = 1.0,
+                    canary_norm: float = 10.0, learning_rate: float = 1.0, bug: str = "none",
+                    ks=None, confidence: float = auditing.DEFAULT_CONFIDENCE,
+                    seed: int | None = None) -> WhiteBoxAudit:
+    """Trains once with gradient canaries and returns the one-run audit's epsilon lower bound.
+
+    Args:
+      num_canaries: m, canaries (each included with probability 1/2); the kernel has >= m entries.
+      num_examples: synthetic data records (Gaussian features, labels of a random teacher).
+      steps: DP-SGD steps.
+      sampling_probability: q, Poisson rate of every record (data and included canaries) per step.
+      target_epsilon: the epsilon the run claims, sigma calibrated to it (PLD) when
+        `noise_multiplier` is None.
+      noise_multiplier: sigma; 0 is no noise (the claim is then infinite).
+      delta: of the claim and of the audit.
+      l2_norm_clip: C.
+      canary_norm: norm of each canary's gradient (> C, so that clipping matters).
+      learning_rate: of optax.sgd.
+      bug: one of `BUGS`: a planted privacy bug the claim ignores.
+      ks: (k_plus, k_minus) guesses tried (union bound); None: m/20 and m/10 "in", and m/4 each way.
+      confidence: of the lower bound.
+      seed: pins the inclusion, data, sampling and noise; None draws a secret one.
+
+    Returns:
+      A `WhiteBoxAudit`: `.audit.epsilon` is the bound, `.claimed_epsilon` the accountant's epsilon.
+    """
+    if bug not in BUGS:
+        raise ValueError(f"bug must be one of {BUGS}, got {bug!r}")
+    for name, value in (("num_canaries", num_canaries), ("num_examples", num_examples), ("steps", steps)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not 0 < sampling_probability <= 1:
+        raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}")
+    if not canary_norm > 0:
+        raise ValueError(f"canary_norm must be > 0, got {canary_norm!r}")
+    q, m, n = float(sampling_probability), num_canaries, num_examples
+    sigma = (accounting.calibrate_noise_multiplier(target_epsilon, q, steps, delta, accountant="pld")
+             if noise_multiplier is None else float(noise_multiplier))
+    claimed = accounting.epsilon(sigma, q, steps, delta, accountant="pld")
+    rng = np.random.default_rng(secret_seed() if seed is None else seed)
+    included = auditing.draw_inclusion(m, rng)
+
+    side = math.isqrt(m - 1) + 1                     # P = D = ceil(sqrt(m)): P * D >= m kernel entries
+    flat = rng.choice(side * side, size=m, replace=False)
+    p_M, d_M = flat // side, flat % side
+    x_NP = rng.normal(size=(n, side)).astype(np.float32) / np.sqrt(side)
+    y_N = np.argmax(x_NP @ rng.normal(size=(side, side)), axis=1).astype(np.int32)
+    model = _SoftmaxRegression(side, side, rngs=nnx.Rngs(int(rng.integers(2**31))))
+    expected_batch_size = q * (n + m / 2)
+    key = jax.random.key(int(rng.integers(2**31)))
+    tx = optax.chain(_privatizer(bug, l2_norm_clip, sigma, expected_batch_size, key), optax.sgd(learning_rate))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    kernel_before = np.asarray(model.linear.kernel[...])
+    grads_fn = per_example_grads(_losses)
+    onehot_p_MP = jax.nn.one_hot(p_M, side)
+    g_M1D = canary_norm * jax.nn.one_hot(d_M, side)[:, None, :]
+
+    @nnx.jit
+    def step(model, optimizer, batch, present_M):
+        _, grads = grads_fn(model, batch)
+        grads = _with_canaries(grads, (present_M[:, None] * onehot_p_MP)[:, None, :], g_M1D)
+        optimizer.update(model, grads)
+
+    for _ in range(steps):
+        batch = {"x": x_NP, "y": y_N, "mask": rng.random(n) < q}
+        present_M = (included & (rng.random(m) < q)).astype(np.float32)
+        step(model, optimizer, batch, present_M)
+
+    change = np.asarray(model.linear.kernel[...]) - kernel_before
+    # <clipped canary gradient, total change>, negated: min(canary_norm, C) * -change[p_i, d_i].
+    scores = -min(canary_norm, l2_norm_clip) * change[p_M, d_M]
+    if ks is None:
+        ks = [(max(1, m // 20), 0), (max(1, m // 10), 0), (max(1, m // 4), max(1, m // 4))]
+    audit = auditing.epsilon_lower_bound(scores, included, delta=delta, ks=ks, confidence=confidence)
+    return WhiteBoxAudit(audit=audit, claimed_epsilon=claimed, noise_multiplier=sigma, sampling_probability=q,
+                         steps=steps, delta=delta, bug=bug, scores=scores, included=included)
+
+
+# ------------------------------------------------------------------ black box: random-token canaries
+
+
+@dataclasses.dataclass(frozen=True)
+class BlackBoxAudit:
+    """What `black_box_audit` ran, claimed and found."""
+    audit: auditing.AuditResult
+    claimed_epsilon: float
+    noise_multiplier: float
+    sampling_probability: float
+    steps: int
+    delta: float
+    bug: str
+    scores: np.ndarray            # (m,) loss before training minus after
+    included: np.ndarray          # (m,) bool
+    canaries: np.ndarray          # (m, T + 1) int32 token sequences
+    loss_before: np.ndarray       # (m,) the canaries' mean next-token loss under the initial model
+    loss_after: np.ndarray
+
+
+def random_token_canaries(num_canaries: int, length: int, vocab_size: int, rng: np.random.Generator) -> np.ndarray:
+    """(m, length) int32 sequences of independent uniform tokens: no two alike, none like real text."""
+    if num_canaries < 1 or length < 2 or vocab_size < 2:
+        raise ValueError(f"need num_canaries >= 1, length >= 2, vocab_size >= 2; got {num_canaries!r}, "
+                         f"{length!r}, {vocab_size!r}")
+    return rng.integers(0, vocab_size, size=(num_canaries, length), dtype=np.int32)
+
+
+def _lm_losses(model, batch):
+    logits_BTV = model(batch["tokens"][:, :-1])
+    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["tokens"][:, 1:])
+    return jnp.where(batch["mask"], nll_BT.mean(axis=-1), 0.0)
+
+
+_jit_lm_losses = nnx.jit(_lm_losses)
+
+
+def _canary_losses(model, canaries, batch_size: int) -> np.ndarray:
+    loss = _jit_lm_losses
+    out = []
+    for lo in range(0, len(canaries), batch_size):
+        tokens = canaries[lo:lo + batch_size]
+        pad = batch_size - len(tokens)
+        tokens = np.concatenate([tokens, np.zeros((pad, tokens.shape[1]), tokens.dtype)])
+        out.append(np.asarray(loss(model, {"tokens": tokens, "mask": np.arange(batch_size) < batch_size - pad})))
+    return np.concatenate(out)[:len(canaries)]
+
+
+def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, num_canaries: int = 256,
+                    steps: int = 100, batch_size: float = 32, target_epsilon: float = 2.0,
+                    noise_multiplier: float | None = None, delta: float = 1e-5, l2_norm_clip: float = 1.0,
+                    learning_rate: float = 3e-3, bug: str = "none", ks=None,
+                    confidence: float = auditing.DEFAULT_CONFIDENCE, seed: int | None = None,
+                    progress=None) -> BlackBoxAudit:
+    """DP-Adam on `windows` plus random-token canaries, scored by their loss drop (black box).
+
+    The canaries have the windows' length; the records (the n windows and the included
+    canaries) are Poisson-sampled at q = batch_size / (n + m / 2) into batches of a fixed
+    padded size (`jaxdp.sampling.PoissonSampler`, overflow truncated), and the noisy sum is
+    divided by q (n + m / 2). The claim is `jaxdp.accounting.epsilon(sigma, q, steps, delta)`
+    (PLD; the truncation's slack, below 1e-6 per step, is not added). Only the final
+    model is used: the audit's score is each canary's mean next-token loss under the initial
+    model minus under the trained one. `bug` as in `white_box_audit`.
+
+    Args:
+      model: a `jaxdp.models` language model `model(tokens_BT) -> logits_BTV`; trained in place.
+      windows: (n, T + 1) int token windows (the training data).
+      vocab_size: of the canaries' uniform tokens.
+      Other arguments as `white_box_audit`; `progress(step)` is called after every step.
+
+    Returns:
+      A `BlackBoxAudit`.
+    """
+    if bug not in BUGS:
+        raise ValueError(f"bug must be one of {BUGS}, got {bug!r}")
+    windows = np.asarray(windows)
+    if windows.ndim != 2 or windows.shape[1] < 2:
+        raise ValueError(f"windows must be (n, T + 1) tokens with T >= 1, got shape {windows.shape}")
+    n, m = windows.shape[0], num_canaries
+    if not 0 < batch_size <= n + m / 2:
+        raise ValueError(f"batch_size must be in (0, n + m / 2] = (0, {n + m / 2}], got {batch_size!r}")
+    rng = np.random.default_rng(secret_seed() if seed is None else seed)
+    canaries = random_token_canaries(m, windows.shape[1], vocab_size, rng)
+    included = auditing.draw_inclusion(m, rng)
+    records = np.concatenate([windows, canaries[included]]).astype(np.int32)
+    q = batch_size / (n + m / 2)
+    sigma = (accounting.calibrate_noise_multiplier(target_epsilon, q, steps, delta, accountant="pld")
+             if noise_multiplier is None else float(noise_multiplier))
+    claimed = accounting.epsilon(sigma, q, steps, delta, accountant="pld")
+    sampler = PoissonSampler(len(records), q * len(records), seed=int(rng.integers(2**62)))
+    key = jax.random.key(int(rng.integers(2**31)))
+    tx = optax.chain(_privatizer(bug, l2_norm_clip, sigma, batch_size, key), optax.adam(learning_rate))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    loss_before = _canary_losses(model, canaries, sampler.max_batch_size)
+    grads_fn = per_example_grads(_lm_losses)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        _, grads = grads_fn(model, batch)
+        optimizer.update(model, grads)
+
+    for s in range(steps):
+        indices, mask = sampler.sample(s)
+        step(model, optimizer, {"tokens": records[indices], "mask": mask})
+        if progress is not None:
+            progress(s + 1)
+    loss_after = _canary_losses(model, canaries, sampler.max_batch_size)
+    scores = auditing.loss_drop_scores(loss_before, loss_after)
+    if ks is None:
+        ks = [(max(1, m // 20), 0), (max(1, m // 10), 0), (max(1, m // 4), max(1, m // 4))]
+    audit = auditing.epsilon_lower_bound(scores, included, delta=delta, ks=ks, confidence=confidence)
+    return BlackBoxAudit(audit=audit, claimed_epsilon=claimed, noise_multiplier=sigma, sampling_probability=q,
+                         steps=steps, delta=delta, bug=bug, scores=scores, included=included,
+                         canaries=canaries, loss_before=loss_before, loss_after=loss_after)
