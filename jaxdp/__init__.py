@@ -15,6 +15,8 @@ from jaxdp.fused_clip import FusedClipState
 from jaxdp.fused_clip import clipped_aggregate
 from jaxdp.fused_clip import fused_clip
 from jaxdp.loss_check import check_per_example_loss
+from jaxdp.models.hf_gpt2 import load_hf_gpt2
+from jaxdp.models.hf_gpt2 import save_hf_gpt2
 from jaxdp.norms import squared_norms
 from jaxdp.per_example import per_example_grads
 from jaxdp.terms import DenseTerm
@@ -37,6 +39,7 @@ __all__ = [
     "data",
     "fused_clip",
     "group_thresholds",
+    "load_hf_gpt2",
     "models",
     "nn",
     "noise",
@@ -44,6 +47,7 @@ __all__ = [
     "per_example_grads",
     "reference",
     "sampling",
+    "save_hf_gpt2",
     "sharding",
     "squared_norms",
     "training",
