@@ -127,7 +127,7 @@ def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: 
       canary_norm: norm of each canary's gradient (> C, so that clipping matters).
       learning_rate: of optax.sgd.
       bug: one of `BUGS`: a planted privacy bug the claim ignores.
-      ks: (k_plus, k_minus) guesses tried (union bound); None: m/20 and m/10 "in", and m/4 each way.
+      ks: (k_plus, k_minus) guesses tried (union bound); None: `jaxdp.auditing.default_guesses(m)`.
       confidence: of the lower bound.
       seed: pins the inclusion, data, sampling and noise; None draws a secret one.
 
@@ -179,8 +179,6 @@ def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: 
     change = np.asarray(model.linear.kernel[...]) - kernel_before
     # <clipped canary gradient, total change>, negated: min(canary_norm, C) * -change[p_i, d_i].
     scores = -min(canary_norm, l2_norm_clip) * change[p_M, d_M]
-    if ks is None:
-        ks = [(max(1, m // 20), 0), (max(1, m // 10), 0), (max(1, m // 4), max(1, m // 4))]
     audit = auditing.epsilon_lower_bound(scores, included, delta=delta, ks=ks, confidence=confidence)
     return WhiteBoxAudit(audit=audit, claimed_epsilon=claimed, noise_multiplier=sigma, sampling_probability=q,
                          steps=steps, delta=delta, bug=bug, scores=scores, included=included)
@@ -294,8 +292,6 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, 
             progress(s + 1)
     loss_after = _canary_losses(model, canaries, sampler.max_batch_size)
     scores = auditing.loss_drop_scores(loss_before, loss_after)
-    if ks is None:
-        ks = [(max(1, m // 20), 0), (max(1, m // 10), 0), (max(1, m // 4), max(1, m // 4))]
     audit = auditing.epsilon_lower_bound(scores, included, delta=delta, ks=ks, confidence=confidence)
     return BlackBoxAudit(audit=audit, claimed_epsilon=claimed, noise_multiplier=sigma, sampling_probability=q,
                          steps=steps, delta=delta, bug=bug, scores=scores, included=included,

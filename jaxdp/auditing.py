@@ -159,6 +159,17 @@ def guesses(scores: np.ndarray, k_plus: int, k_minus: int = 0) -> np.ndarray:
     return out
 
 
+def default_guesses(num_canaries: int) -> list[tuple[int, int]]:
+    """(k_plus, k_minus) pairs tried by default: m/1000, m/200, m/50, m/10 "in" (those >= 10), and m/4 each way.
+
+    Small k pays off when only the extreme scores are telling (noisy runs, many canaries);
+    large k when the scores separate well (up to about log(r / 3) for r guesses).
+    """
+    m = int(num_canaries)
+    ks = [(k, 0) for k in dict.fromkeys((m // 1000, m // 200, m // 50, m // 10)) if k >= 10]
+    return ks + [(max(1, m // 4), max(1, m // 4))]
+
+
 @dataclasses.dataclass(frozen=True)
 class AuditResult:
     """The one-run audit's outcome (`epsilon_lower_bound`)."""
@@ -184,8 +195,9 @@ def epsilon_lower_bound(scores: np.ndarray, included: np.ndarray, *, delta: floa
       included: (m,) bools from `draw_inclusion`: the truth the guesses are checked against.
       delta: the delta of the DP claim under audit.
       ks: (k_plus, k_minus) guesses to try, each at confidence 1 - (1 - confidence) / len(ks)
-        (a union bound), the best kept. Exclusive with `k_plus`.
-      k_plus, k_minus: one guess (default when neither is given: k_plus = m // 10).
+        (a union bound), the best kept. Exclusive with `k_plus`. Default (neither given):
+        `default_guesses(m)`.
+      k_plus, k_minus: one guess.
       confidence: of the lower bound, in (0, 1).
 
     Returns:
@@ -201,7 +213,7 @@ def epsilon_lower_bound(scores: np.ndarray, included: np.ndarray, *, delta: floa
     if ks is not None and k_plus is not None:
         raise ValueError("pass either ks (several guesses, union bound) or k_plus / k_minus, not both")
     if ks is None:
-        ks = [(max(1, m // 10) if k_plus is None else k_plus, k_minus)]
+        ks = default_guesses(m) if k_plus is None else [(k_plus, k_minus)]
     ks = [(int(a), int(b)) for a, b in ks]
     if not ks:
         raise ValueError("ks must name at least one (k_plus, k_minus) pair")

@@ -52,8 +52,8 @@ def test_skipped_clipping_bound_above_claim(sigma):
 
 
 def test_halved_noise_raises_the_bound(sigma, correct):
-    # Same seed, same draws, noise std halved: the scores separate better. (At this size the bound
-    # stays below 2; see WORKSPACE.md for what it takes to push it above.)
+    # Same seed, same draws, noise std halved: the scores separate better. At this size the bound
+    # stays below 2; with 80,000 canaries and delta = 1e-8 it exceeds 2 (experiments.audit, WORKSPACE.md).
     result = _audit(sigma, bug="half_noise")
     assert result.audit.epsilon > correct.audit.epsilon, (result.audit, correct.audit)
 
