@@ -1,6 +1,8 @@
 """jaxdp: differentially private training of language models in JAX."""
 
 from jaxdp import accounting
+from jaxdp import audit_runs
+from jaxdp import auditing
 from jaxdp import data
 from jaxdp import models
 from jaxdp import nn
@@ -34,6 +36,8 @@ __all__ = [
     "FusedClipState",
     "LinearTerm",
     "accounting",
+    "audit_runs",
+    "auditing",
     "check_per_example_loss",
     "clipped_aggregate",
     "data",
