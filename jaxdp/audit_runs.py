@@ -1,7 +1,7 @@
 """Training runs for the one-run audit (`jaxdp.auditing`): white box (gradient canaries) and black box.
 
 `white_box_audit` is the CI-sized audit of the DP step itself (arXiv:2305.08846,
-section 6, white-box setting with many canaries per step): a tiny softmax
+white-box setting, many canaries per step): a tiny softmax
 regression built from `jaxdp.nn.Linear`, trained with DP-SGD through the real
 pipeline (`jaxdp.per_example_grads` -> `jaxdp.fused_clip` -> `optax.sgd`), on
 synthetic data plus m GRADIENT canaries. Canary i is a record whose per-example
@@ -244,7 +244,7 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, 
     canaries) are Poisson-sampled at q = batch_size / (n + m / 2) into batches of a fixed
     padded size (`jaxdp.sampling.PoissonSampler`, overflow truncated), and the noisy sum is
     divided by q (n + m / 2). The claim is `jaxdp.accounting.epsilon(sigma, q, steps, delta)`
-    (PLD; the truncation's slack, below 1e-6 per step, is not added). Only the final
+    (PLD; the truncation's slack, overflow probability < 1e-9 per step, is not added). Only the final
     model is used: the audit's score is each canary's mean next-token loss under the initial
     model minus under the trained one. `bug` as in `white_box_audit`.
 
