@@ -4,6 +4,7 @@ from jaxdp import accounting
 from jaxdp import audit_runs
 from jaxdp import auditing
 from jaxdp import data
+from jaxdp import finetune
 from jaxdp import models
 from jaxdp import nn
 from jaxdp import noise
@@ -41,6 +42,7 @@ __all__ = [
     "check_per_example_loss",
     "clipped_aggregate",
     "data",
+    "finetune",
     "fused_clip",
     "group_thresholds",
     "load_hf_gpt2",

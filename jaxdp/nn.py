@@ -11,9 +11,21 @@ parameters:
   LayerNorm   scale: sum_t xhat * g               bias: sum_t g
   RMSNorm     scale: sum_t xhat * g
 
+  SoftPrompt  embedding: g[:, :n] (the prompt's output gradient itself)
+
 A parameter must be used only through its layer's methods; a direct read of
 `layer.kernel` elsewhere in the model would not be seen by the rule.
 Outside `per_example_grads` the layers are plain NNX layers.
+
+Frozen parameters. A parameter held as `Frozen` instead of `nnx.Param` is
+not trained: `per_example_grads`, `jaxdp.reference` and
+`nnx.Optimizer(..., wrt=nnx.Param)` see only `nnx.Param`s. A layer taps only
+for its trainable parameters: with all of them frozen it does not tap at all
+(no per-example work, nothing recorded), with the kernel / scale frozen it
+records no input (a zero-width placeholder) and forms only the bias term.
+The frozen values enter `per_example_grads`' backward under `stop_gradient`,
+so no weight-gradient GEMM is traced for them. `jaxdp.finetune.freeze`
+converts between the two.
 """
 
 from __future__ import annotations
@@ -46,10 +58,26 @@ def _sum_over_tokens(a):
     return a.astype(_accum_dtype(a.dtype)).sum(axis=1)
 
 
-def _linear_terms(use_bias):
+class Frozen(nnx.Variable):
+    """A parameter that is not trained: no per-example gradient, no optimizer update (see the module doc)."""
+
+
+def is_trainable(variable) -> bool:
+    """True for an `nnx.Param` (trained), False for `Frozen`, None or any other variable."""
+    return isinstance(variable, nnx.Param)
+
+
+def _unused_record(a):
+    """A zero-width stand-in for a record no trainable parameter needs: nothing is kept for it."""
+    return a[..., :0]
+
+
+def _linear_terms(kernel: bool, bias: bool):
     def terms_fn(x, g):
-        terms = {"kernel": LinearTerm(_flatten_BTF(x), _flatten_BTF(g))}
-        if use_bias:
+        terms = {}
+        if kernel:
+            terms["kernel"] = LinearTerm(_flatten_BTF(x), _flatten_BTF(g))
+        if bias:
             terms["bias"] = DenseTerm(_sum_over_tokens(g))
         return terms
     return terms_fn
@@ -77,7 +105,11 @@ class Linear(nnx.Module):
         y_BTD = jnp.dot(x_BTP, kernel.astype(dtype))
         if self.use_bias:
             y_BTD = y_BTD + self.bias[...].astype(dtype)
-        return _tape.tap(self, "linear", y_BTD, x_BTP, _linear_terms(self.use_bias))
+        kernel, bias = is_trainable(self.kernel), self.use_bias and is_trainable(self.bias)
+        if not (kernel or bias):
+            return y_BTD
+        record = x_BTP if kernel else _unused_record(x_BTP)
+        return _tape.tap(self, "linear", y_BTD, record, _linear_terms(kernel, bias))
 
 
 class Embed(nnx.Module):
@@ -99,6 +131,8 @@ class Embed(nnx.Module):
         if self.dtype is not None:
             table = table.astype(self.dtype)
         y_BTD = jnp.take(table, ids_BT, axis=0)
+        if not is_trainable(self.embedding):
+            return y_BTD
         num_embeddings = self.num_embeddings
 
         def terms_fn(ids, g):
@@ -111,6 +145,8 @@ class Embed(nnx.Module):
         dtype = self.dtype or jnp.result_type(h_BTD, table)
         h_BTD = h_BTD.astype(dtype)
         logits_BTV = jnp.dot(h_BTD, table.astype(dtype).T)
+        if not is_trainable(self.embedding):
+            return logits_BTV
 
         def terms_fn(h, g):
             # logits = h E^T, so dE_b = dlogits_b^T h_b: a LinearTerm with x = dlogits.
@@ -118,15 +154,22 @@ class Embed(nnx.Module):
         return _tape.tap(self, "attend", logits_BTV, h_BTD, terms_fn)
 
 
-def _norm_terms(use_bias):
+def _norm_terms(scale: bool, bias: bool):
     def terms_fn(xhat, g):
-        xhat = _flatten_BTF(xhat)
         g = _flatten_BTF(g).astype(xhat.dtype)
-        terms = {"scale": DenseTerm((xhat * g).sum(axis=1))}
-        if use_bias:
+        terms = {}
+        if scale:
+            terms["scale"] = DenseTerm((_flatten_BTF(xhat) * g).sum(axis=1))
+        if bias:
             terms["bias"] = DenseTerm(g.sum(axis=1))
         return terms
     return terms_fn
+
+
+def _tap_norm(layer, y, xhat, scale: bool, bias: bool):
+    if not (scale or bias):
+        return y
+    return _tape.tap(layer, "norm", y, xhat if scale else _unused_record(xhat), _norm_terms(scale, bias))
 
 
 class LayerNorm(nnx.Module):
@@ -151,7 +194,7 @@ class LayerNorm(nnx.Module):
         if self.use_bias:
             y = y + self.bias[...]
         y = y.astype(self.dtype or x.dtype)
-        return _tape.tap(self, "norm", y, xhat, _norm_terms(self.use_bias))
+        return _tap_norm(self, y, xhat, is_trainable(self.scale), self.use_bias and is_trainable(self.bias))
 
 
 class RMSNorm(nnx.Module):
@@ -169,7 +212,33 @@ class RMSNorm(nnx.Module):
         xf = x.astype(_accum_dtype(x.dtype))
         xhat = xf * jax.lax.rsqrt(jnp.square(xf).mean(axis=-1, keepdims=True) + self.epsilon)
         y = (xhat * self.scale[...]).astype(self.dtype or x.dtype)
-        return _tape.tap(self, "norm", y, xhat, _norm_terms(False))
+        return _tap_norm(self, y, xhat, is_trainable(self.scale), False)
 
 
-DP_LAYERS = (Linear, Embed, LayerNorm, RMSNorm)
+class SoftPrompt(nnx.Module):
+    """Prompt tuning (Lester et al. 2021, arXiv:2104.08691): `length` learned embeddings put before the tokens'.
+
+    `__call__(x_BTD) -> (B, length + T, D)`. The per-example gradient of the
+    prompt is its output gradient `g[b]` (length, D): a DenseTerm, no input
+    recorded.
+    """
+
+    def __init__(self, length: int, features: int, *, dtype: Dtype | None = None,
+                 param_dtype: Dtype = jnp.float32, embedding_init=default_kernel_init, rngs: nnx.Rngs):
+        if length < 1:
+            raise ValueError(f"SoftPrompt length must be >= 1, got {length}")
+        self.length = length
+        self.dtype = dtype
+        self.embedding = nnx.Param(embedding_init(rngs.params(), (length, features), param_dtype))
+        self.dp_path = None
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        dtype = self.dtype or jnp.result_type(x_BTD, self.embedding[...])
+        prompt_BND = jnp.broadcast_to(self.embedding[...].astype(dtype), (x_BTD.shape[0], *self.embedding.shape))
+        if is_trainable(self.embedding):
+            prompt_BND = _tape.tap(self, "prompt", prompt_BND, _unused_record(prompt_BND),
+                                   lambda _, g: {"embedding": DenseTerm(g.astype(_accum_dtype(g.dtype)))})
+        return jnp.concatenate([prompt_BND, x_BTD.astype(dtype)], axis=1)
+
+
+DP_LAYERS = (Linear, Embed, LayerNorm, RMSNorm, SoftPrompt)

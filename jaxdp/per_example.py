@@ -94,9 +94,11 @@ def per_example_grads(loss_fn: LossFn, *, fallback: bool = True):
         graphdef, params, rest, uses, axes, losses_of = discover(loss_fn, model, batch)
         slots = {k: term_slots(u) for k, u in uses.items()}
 
+        # Parameters and the rest of the state (Frozen parameters among it) enter under stop_gradient:
+        # the backward forms no weight gradient, only the slots' cotangents.
         def record_pass(slots, params, rest):
             with _tape.recording("record", slots, axes):
-                return losses_of(jax.lax.stop_gradient(params), rest)
+                return losses_of(jax.lax.stop_gradient(params), jax.lax.stop_gradient(rest))
 
         losses, vjp_fn, new_rest = jax.vjp(record_pass, slots, params, rest, has_aux=True)
         slot_cts, _, _ = vjp_fn(jnp.ones_like(losses))

@@ -115,7 +115,7 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str 
 
         def norms_pass(slots, params, rest):
             with _tape.recording("norms", slots, axes, norms_fns):
-                return losses_of(jax.lax.stop_gradient(params), rest)
+                return losses_of(jax.lax.stop_gradient(params), jax.lax.stop_gradient(rest))
 
         losses, vjp_fn, new_rest = jax.vjp(norms_pass, slots, params, rest, has_aux=True)
         slot_cts, _, _ = vjp_fn(jnp.ones_like(losses))

@@ -135,16 +135,23 @@ class GPT2(nnx.Module):
                             embedding_init=nnx.initializers.normal(0.01), rngs=rngs)
         self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.d_model, epsilon=config.layer_norm_epsilon, dtype=dtype)
+        self.soft_prompt = nnx.data(None)  # prompt tuning: a jaxdp.nn.SoftPrompt (jaxdp.finetune.add_soft_prompt)
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
-        B, T = tokens_BT.shape
+        B, num_tokens = tokens_BT.shape
+        x_BTD = self.wte(tokens_BT)
+        if self.soft_prompt is not None:  # learned embeddings before the tokens; their logits are dropped
+            if context.seq_axis() is not None:
+                raise ValueError("a soft prompt cannot be used with a sequence-sharded (context-parallel) model")
+            x_BTD = self.soft_prompt(x_BTD)
+        T = x_BTD.shape[1]
         if context.global_seq_len(T) > self.config.seq_len:
             raise ValueError(f"sequence length {context.global_seq_len(T)} exceeds "
                              f"GPT2Config.seq_len={self.config.seq_len}")
         positions_T = context.seq_offset(T) + jnp.arange(T)
-        x_BTD = self.wte(tokens_BT) + self.wpe(jnp.broadcast_to(positions_T, (B, T)))
+        x_BTD = x_BTD + self.wpe(jnp.broadcast_to(positions_T, (B, T)))
         apply = remat_block(_apply_block, self.config.remat)
         for block in self.blocks:
             x_BTD = apply(block, x_BTD, positions_T)
-        logits_BTV = self.wte.attend(self.ln_f(x_BTD))
+        logits_BTV = self.wte.attend(self.ln_f(x_BTD[:, T - num_tokens:]))
         return logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))

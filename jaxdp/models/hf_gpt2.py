@@ -179,7 +179,7 @@ def save_hf_gpt2(model: GPT2, path: str | os.PathLike, *, dtype: str = "float32"
     """Writes `model` as an HF GPT-2 checkpoint directory (`config.json`, `model.safetensors`).
 
     Frozen and trainable parameters alike are written. A model with LoRA
-    layers must be merged into their base kernels first; adapters and
+    layers must be merged first (`jaxdp.finetune.merge_lora`); adapters and
     soft prompts have no place in HF's GPT-2 layout and are refused.
 
     Args:
@@ -196,7 +196,7 @@ def save_hf_gpt2(model: GPT2, path: str | os.PathLike, *, dtype: str = "float32"
     extra = sorted("/".join(map(str, p)) for p in set(values) - set(names.values()))
     if extra:
         raise ValueError(f"model has variables HF's GPT-2 layout has no place for: {extra[:8]}; merge LoRA "
-                         "layers into their base kernels first, and save adapters / soft prompts with nnx state")
+                         "layers with jaxdp.finetune.merge_lora, and save adapters / soft prompts with nnx state")
     out_dtype = jnp.dtype(dtype)
     tensors = {hf: np.asarray(jax.device_get(values[p])).astype(out_dtype) for hf, p in names.items()}
     path = os.fspath(path)

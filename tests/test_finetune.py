@@ -1,0 +1,228 @@
+"""Trainable subsets (LoRA, adapters, BiTFiT, soft prompt): equal to the vmap reference, frozen costs nothing."""
+
+import dataclasses
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxdp
+from jaxdp import finetune
+from dp_testing import by_path, lm_batch, lm_loss, tiny_gpt2
+from jaxdp.models.gpt2 import GPT2, GPT2Config
+
+RTOL = 1e-5  # float32, highest matmul precision
+METHOD_KWARGS = dict(rank=4, alpha=8.0, bottleneck=8, prompt_length=3)
+
+
+def tiny_config(n_layer=1):
+    return dataclasses.replace(GPT2Config.preset("tiny", vocab_size=97, seq_len=32), n_layer=n_layer)
+
+
+def randomize_lora_b(model, seed):
+    """LoRA's B starts at zero, which makes A's per-example gradients zero: the comparison would be empty."""
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if "lora_b" in path:
+            var.set_value(jnp.asarray(0.1 * rng.standard_normal(var.get_value().shape), jnp.float32))
+    return model
+
+
+def prepared(method, seed):
+    """A one-block tiny GPT-2 fine-tuned by `method`."""
+    model = finetune.prepare(GPT2(tiny_config(), rngs=nnx.Rngs(seed)), method, rngs=nnx.Rngs(seed + 1),
+                             **METHOD_KWARGS)
+    return randomize_lora_b(model, seed)
+
+
+def plant(grads):
+    """A 1% error in the per-example gradient of the first trainable parameter."""
+    flat = list(nnx.to_flat_state(grads))
+    (path, var), rest = flat[0], flat[1:]
+    terms = tuple(jax.tree.map(lambda a: a * 1.01 if jnp.issubdtype(a.dtype, jnp.floating) else a, t)
+                  for t in var.get_value().terms)
+    return nnx.from_flat_state([(path, var.replace(jaxdp.FactoredGrad(terms)))] + rest)
+
+
+# Tiny shapes: compile time dominates, and XLA's backend optimisations cost half of it (as experiments/long_context).
+FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
+
+
+def fast_jit(fn):
+    """`jax.jit` of `fn(graphdef, state, *args)` (graphdef static) with FAST_COMPILE."""
+    return jax.jit(fn, static_argnums=0, compiler_options=FAST_COMPILE)
+
+
+@fast_jit
+def fast_and_reference(graphdef, state, batch, C):
+    """Clipped sums of the factored path (flat: ghost norms, per-layer: instantiated) and of the vmap
+    reference, and the factored flat sums with a planted error: one compile per method."""
+    model = nnx.merge(graphdef, state)
+    _, grads = jaxdp.per_example_grads(lm_loss, fallback=False)(model, batch)
+    _, ref = jaxdp.reference.per_example_grads(lm_loss, model, batch)
+    out = {}
+    for clipping, strategy in (("flat", "ghost"), ("per_layer", "instantiate")):
+        expected, norms = jaxdp.reference.clipped_sum(ref, C, clipping=clipping)
+        out[clipping] = {"expected": expected, "norms": norms,
+                         "fast": jaxdp.clipped_aggregate(grads, C, clipping=clipping, strategy=strategy)[0]}
+    out["flat"]["planted"] = jaxdp.clipped_aggregate(plant(grads), C, clipping="flat", strategy="ghost")[0]
+    return out
+
+
+@fast_jit
+def logits_of(graphdef, state, tokens):
+    return nnx.merge(graphdef, state)(tokens)
+
+
+def logits_fn(model, tokens):
+    return logits_of(*nnx.split(model), tokens)
+
+
+def numpy_by_path(tree):
+    return {p: np.asarray(v) for p, v in by_path(tree).items()}
+
+
+def rel_err(actual, expected):
+    """max over parameters of max|a - e| / max|e|."""
+    assert actual.keys() == expected.keys(), set(actual) ^ set(expected)
+    return max(np.abs(actual[p] - expected[p]).max() / np.abs(expected[p]).max() for p in expected)
+
+
+@pytest.mark.parametrize("method", ["lora", "adapter", "bitfit", "prompt"])
+def test_equals_reference_on_trainable_parameters(method):
+    model = prepared(method, seed=len(method))
+    batch = lm_batch(seed=len(method) + 1, B=5, T=12)
+    # First call: the reference's per-example norms; second: C strictly between them (some clipped).
+    graphdef, state = nnx.split(model)
+    norms = np.asarray(fast_and_reference(graphdef, state, batch, jnp.float32(1e6))["flat"]["norms"]["all"])
+    norms = np.sort(norms[norms > 0])
+    out = jax.device_get(fast_and_reference(graphdef, state, batch, jnp.float32(np.sqrt(norms[0] * norms[-1]))))
+    for clipping, sums in out.items():
+        expected = numpy_by_path(sums["expected"])
+        assert set(expected) == set(finetune.trainable_paths(model))
+        assert rel_err(numpy_by_path(sums["fast"]), expected) <= RTOL, clipping
+    assert rel_err(numpy_by_path(out["flat"]["planted"]), numpy_by_path(out["flat"]["expected"])) > 10 * RTOL
+
+
+def test_optimizer_step_leaves_frozen_parameters_unchanged():
+    """All four methods on one model; a DP adamw step (weight decay 0.1) through nnx.Optimizer(wrt=nnx.Param)
+    moves every trainable parameter and no frozen one. The per-example gradients are random arrays of the
+    trainable tree (per_example_grads returns exactly that tree: test_equals_reference_on_trainable_parameters),
+    which keeps the model out of this compile; sigma = 0, as noise (added to the same tree) costs seconds
+    of compile and adds nothing to the property."""
+    model = GPT2(tiny_config(), rngs=nnx.Rngs(0))
+    finetune.add_lora(model, rank=METHOD_KWARGS["rank"], rngs=nnx.Rngs(1))
+    finetune.add_adapters(model, bottleneck=METHOD_KWARGS["bottleneck"], rngs=nnx.Rngs(2))
+    finetune.add_soft_prompt(model, length=METHOD_KWARGS["prompt_length"], rngs=nnx.Rngs(3))
+    methods = [finetune.trainable_filter(m, train_layer_norms=False) for m in ("lora", "adapter", "bitfit", "prompt")]
+    finetune.freeze(model, lambda path, owner: any(f(path, owner) for f in methods))
+    frozen = numpy_by_path(nnx.state(model, jaxdp.nn.Frozen))
+    trainable = numpy_by_path(nnx.state(model, nnx.Param))
+    assert {p[-1] for p in frozen} == {"kernel", "scale", "embedding"} and ("blocks", 0, "ln_1", "bias") in trainable
+    tx = optax.chain(jaxdp.fused_clip(1.0, 0.0, expected_batch_size=4.0, key=jax.random.key(0)),
+                     optax.adamw(1e-2, weight_decay=0.1))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    rng = np.random.default_rng(4)
+    per_example = jax.tree.map(lambda v: jnp.asarray(rng.standard_normal((4, *v.shape)), jnp.float32),
+                               nnx.state(model, nnx.Param))
+
+    @fast_jit
+    def step(graphdef, state, grads):
+        model, optimizer = nnx.merge(graphdef, state)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer))
+
+    graphdef, state = nnx.split((model, optimizer))
+    nnx.update((model, optimizer), step(graphdef, state, per_example))
+    for path, value in numpy_by_path(nnx.state(model, jaxdp.nn.Frozen)).items():
+        assert np.array_equal(value, frozen[path]), path
+    for path, value in numpy_by_path(nnx.state(model, nnx.Param)).items():
+        assert not np.array_equal(value, trainable[path]), path
+
+
+def dot_output_shapes(jaxpr) -> set:
+    """Output shapes of every dot_general in a jaxpr, inner jaxprs (custom_vjp, pjit, remat) included."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            shapes.add(tuple(eqn.outvars[0].aval.shape))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    shapes |= dot_output_shapes(inner)
+    return shapes
+
+
+def weight_gradient_dots(fn, model, frozen_shapes) -> set:
+    graphdef, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda s: fn(nnx.merge(graphdef, s)))(state).jaxpr
+    return {s for s in dot_output_shapes(jaxpr) for shape in frozen_shapes
+            if s[-2:] in (shape, shape[::-1])}
+
+
+def test_frozen_layers_cost_no_per_example_work_and_no_weight_gradient():
+    """BiTFiT: frozen kernels are never recorded (zero-width records), fully frozen layers never tap, and the
+    traced backward holds no GEMM shaped like a frozen weight; the plain gradient of the same model does."""
+    model = prepared("bitfit", seed=3)
+    batch = lm_batch(seed=4, B=6, T=16)
+    graphdef, params, rest, uses, axes, _ = jaxdp.per_example.discover(lm_loss, model, batch)
+    owners = {p[:-1] for p in finetune.trainable_paths(model)}
+    assert {u.path for u in uses.values()} == owners  # wte / wpe (frozen, no bias) never tap
+    assert all(u.record.shape[-1] == 0 for u in uses.values())  # bias terms need no input record
+    frozen_shapes = {tuple(v.shape) for v in by_path(nnx.state(model, jaxdp.nn.Frozen)).values() if v.ndim == 2}
+    assert (64, 192) in frozen_shapes and (97, 64) in frozen_shapes
+
+    def dp_grads(m):
+        return jaxdp.per_example_grads(lm_loss, fallback=False)(m, batch)
+
+    def plain_grads(m):  # what the check must catch: the ordinary backward forms every weight gradient
+        return nnx.grad(lambda m: lm_loss(m, batch).sum(), argnums=nnx.DiffState(0, ...))(m)
+
+    assert weight_gradient_dots(dp_grads, model, frozen_shapes) == set()
+    assert len(weight_gradient_dots(plain_grads, model, frozen_shapes)) >= 4
+
+
+def test_lora_merge_and_hf_export(tmp_path):
+    """merge_lora folds W + scale A B into the base kernel: same logits, then the HF export accepts the model."""
+    model = prepared("lora", seed=5)
+    tokens = jax.random.randint(jax.random.key(6), (2, 9), 0, 97)
+    logits = logits_fn(model, tokens)
+    finetune.merge_lora(finetune.freeze(model, lambda path, owner: True))
+    assert not any("lora_a" in p for p in finetune.trainable_paths(model))
+    np.testing.assert_allclose(logits_fn(model, tokens), logits, rtol=1e-5, atol=1e-5)
+    jaxdp.save_hf_gpt2(model, tmp_path)
+    np.testing.assert_allclose(logits_fn(jaxdp.load_hf_gpt2(tmp_path), tokens), logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no place for.*adapter"):
+        jaxdp.save_hf_gpt2(prepared("adapter", seed=7), tmp_path)
+
+
+def test_soft_prompt_leaves_logit_shape_and_causality():
+    model = prepared("prompt", seed=8)
+    tokens = jax.random.randint(jax.random.key(9), (2, 10), 0, 97)
+    logits = logits_fn(model, tokens)
+    assert logits.shape == (2, 10, 97)
+    changed = logits_fn(model, tokens.at[:, 6:].set((tokens[:, 6:] + 1) % 97))
+    np.testing.assert_allclose(changed[:, :6], logits[:, :6], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(changed[:, 6:], logits[:, 6:])
+    with pytest.raises(ValueError, match="seq_len"):
+        model(jnp.zeros((1, 32 - 2), jnp.int32))  # 3 prompt embeddings + 30 tokens > seq_len 32
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: finetune.prepare(m, "prefix", rngs=nnx.Rngs(0)), "method must be one of"),
+    (lambda m: finetune.add_lora(m, rank=0, rngs=nnx.Rngs(0)), "rank must be"),
+    (lambda m: finetune.add_lora(m, rank=2, targets=("attn/q_proj",), rngs=nnx.Rngs(0)),
+     r"targets: 'attn/q_proj' matches no .*blocks/\*/attn/c_attn"),
+    (lambda m: finetune.add_lora(m, rank=2, targets="attn/c_attn", rngs=nnx.Rngs(0)), "targets must be"),
+    (lambda m: finetune.add_adapters(m, bottleneck=0, rngs=nnx.Rngs(0)), "bottleneck must be"),
+    (lambda m: finetune.add_soft_prompt(m.blocks[0], length=2, rngs=nnx.Rngs(0)), "GPT2"),
+    (lambda m: finetune.add_soft_prompt(m, length=0, rngs=nnx.Rngs(0)), "length must be"),
+])
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(tiny_gpt2())
