@@ -10,7 +10,7 @@ clipped sum. `steps` steps are its `steps`-fold adaptive composition, the
     SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), steps)
 
 under add-or-remove-one adjacency. Two accountants turn it into (epsilon,
-delta):
+delta); "pld", the tighter, is the default (as in jax_privacy):
 
   "rdp"  Renyi DP (Mironov 2017, arXiv:1702.07476; for the sampled Gaussian,
          Mironov, Talwar & Zhang 2019, arXiv:1908.10530). Fast (tens of ms,
@@ -40,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Any
@@ -47,7 +48,7 @@ from typing import Any
 import dp_accounting
 from dp_accounting import pld, rdp
 
-ACCOUNTANTS = ("rdp", "pld")
+ACCOUNTANTS = ("pld", "rdp")  # the first is the default: the tighter bound
 
 # PLD loss-grid spacing. 1e-4 is dp_accounting's own default; against 1e-5 it
 # agrees to 0.02% in every case we checked, while 1e-3 overstated epsilon by
@@ -118,21 +119,43 @@ def _check_accountant(accountant: str, value_discretization_interval: float) -> 
 # ---------------------------------------------------------------- epsilon
 
 
+@functools.lru_cache(maxsize=4096)
 def _epsilon(sigma: float, q: float, steps: int, delta: float, accountant: str,
              interval: float) -> float:
-    """epsilon() without validation, for the searches below."""
+    """epsilon() without validation, for the searches below; a pure function, so cached."""
     if steps == 0:
         return 0.0
     if sigma == 0:
         return math.inf
-    if accountant == "rdp":
-        acc = rdp.RdpAccountant(_RDP_ORDERS)
-    else:
-        acc = pld.PLDAccountant(value_discretization_interval=interval)
+    if accountant == "pld" and _pld_mean_loss_bound(sigma, q) * steps <= _PLD_MAX_MEAN_LOSS:
+        # What pld.PLDAccountant composes for this event, with the one-step PLD (most of the cost
+        # at small sigma) kept for the next call: the tracker asks again at every logged step.
+        composed = pld.privacy_loss_distribution.identity(interval).compose(
+            _one_step_pld(sigma, q, interval).self_compose(steps))
+        return float(composed.get_epsilon_for_delta(delta))
+    acc = rdp.RdpAccountant(_RDP_ORDERS)
     acc.compose(dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)),
         steps))
     return float(acc.get_epsilon(delta))
+
+
+# The n-step PLD's grid spans about n x (mean privacy loss of one step) / interval points: where that
+# mean, bounded by the chi-square divergence q^2 (e^(1/sigma^2) - 1) >= KL, times the steps exceeds
+# this, epsilon is in the hundreds and "pld" answers with the RDP bound (also valid) instead of
+# filling memory (sigma 0.5, q 0.5, 10^6 steps: ~10^10 points).
+_PLD_MAX_MEAN_LOSS = 1000.0
+
+
+def _pld_mean_loss_bound(sigma: float, q: float) -> float:
+    return math.inf if sigma < 0.03 else q * q * math.expm1(1 / sigma**2)
+
+
+@functools.lru_cache(maxsize=4)
+def _one_step_pld(sigma: float, q: float, interval: float):
+    """The privacy loss distribution of one Poisson-subsampled Gaussian step (add-or-remove-one)."""
+    return pld.privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=sigma, sampling_prob=q, value_discretization_interval=interval)
 
 
 def _log_ratio(eps: float, target: float) -> float:
@@ -156,7 +179,7 @@ def epsilon(
     steps: int,
     delta: float,
     *,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
 ) -> float:
     """Epsilon spent by `steps` steps of Poisson-sampled DP-SGD.
@@ -172,9 +195,9 @@ def epsilon(
       sampling_probability: q = expected batch size / dataset size, in (0, 1].
       steps: number of noisy steps taken, >= 0. 0 steps cost 0.0.
       delta: target delta, in (0, 1); usually well below 1 / dataset size.
-      accountant: "rdp" (Mironov 2017, arXiv:1702.07476; fast, looser) or
-        "pld" (privacy loss distributions, arXiv:1906.03049 and
-        arXiv:2207.04380; tighter, slower).
+      accountant: "pld" (default; privacy loss distributions, arXiv:1906.03049
+        and arXiv:2207.04380; tighter, slower) or "rdp" (Mironov 2017,
+        arXiv:1702.07476; fast, looser).
       value_discretization_interval: PLD only: spacing of the privacy-loss
         grid. Smaller is tighter and slower; the default 1e-4 is within 0.02%
         of 1e-5 in the regimes we checked.
@@ -192,7 +215,7 @@ def epsilon(
 
     Example::
 
-      >>> round(epsilon(1.1, 0.01, 1000, 1e-5), 3)
+      >>> round(epsilon(1.1, 0.01, 1000, 1e-5, accountant="rdp"), 3)
       1.712
       >>> round(epsilon(1.1, 0.01, 1000, 1e-5, accountant="pld"), 3)
       1.515
@@ -211,7 +234,7 @@ def calibrate_noise_multiplier(
     steps: int,
     delta: float,
     *,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     rtol: float = 1e-3,
     value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
 ) -> float:
@@ -230,7 +253,7 @@ def calibrate_noise_multiplier(
       sampling_probability: q, in (0, 1].
       steps: number of steps the run will take, >= 0. 0 steps return 0.0.
       delta: target delta, in (0, 1).
-      accountant: "rdp" or "pld", as in `epsilon`.
+      accountant: "pld" (default) or "rdp", as in `epsilon`.
       rtol: relative tolerance on epsilon, in (0, 1).
       value_discretization_interval: PLD only, as in `epsilon`.
 
@@ -306,7 +329,7 @@ def steps_for_epsilon(
     sampling_probability: float,
     delta: float,
     *,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     max_steps: int = 10**7,
     value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
 ) -> int:
@@ -323,7 +346,7 @@ def steps_for_epsilon(
       noise_multiplier: sigma, >= 0 (0 allows no step).
       sampling_probability: q, in (0, 1].
       delta: target delta, in (0, 1).
-      accountant: "rdp" or "pld", as in `epsilon`.
+      accountant: "pld" (default) or "rdp", as in `epsilon`.
       max_steps: cap on the answer, >= 0.
       value_discretization_interval: PLD only, as in `epsilon`.
 
@@ -332,8 +355,8 @@ def steps_for_epsilon(
 
     Example::
 
-      >>> steps_for_epsilon(2.0, 1.1, 0.01, 1e-5)
-      1404
+      >>> steps_for_epsilon(2.0, 1.1, 0.01, 1e-5), steps_for_epsilon(2.0, 1.1, 0.01, 1e-5, accountant="rdp")
+      (1725, 1404)
     """
     target = _check_target_epsilon(target_epsilon)
     sigma = _check_noise_multiplier(noise_multiplier)
@@ -388,6 +411,35 @@ def steps_for_epsilon(
     return lo
 
 
+def pld_interval(
+    noise_multiplier: float,
+    sampling_probability: float,
+    steps: int,
+    delta: float,
+    *,
+    rtol: float = 1e-3,
+) -> float:
+    """The coarsest PLD grid spacing, of 1e-2, 1e-3 and 1e-4, whose epsilon is within `rtol` of the
+    epsilon at a ten times finer grid (1e-4 if neither coarser one is).
+
+    Every spacing gives a valid upper bound (the discretisation is pessimistic); a coarser one is
+    looser and much faster (one step's PLD has ~1/spacing points: 0.1 s at 1e-2 against several s
+    at 1e-4 for sigma ~ 0.3). At large epsilon the spacing hardly matters (10.3649 at 1e-2 vs
+    10.3647 at 1e-4 for sigma 0.31, q 0.005, 6 steps); at small epsilon it does (0.44 vs 0.21 for
+    sigma 1, q 0.001, 2000 steps). Use one spacing for calibration and tracking alike.
+    """
+    sigma = _check_noise_multiplier(noise_multiplier)
+    q = _check_sampling_probability(sampling_probability)
+    steps = _check_count("steps", steps)
+    delta = _check_delta(delta)
+    for interval in (1e-2, 1e-3):
+        coarse = _epsilon(sigma, q, steps, delta, "pld", interval)
+        fine = _epsilon(sigma, q, steps, delta, "pld", interval / 10)
+        if not math.isfinite(coarse) or coarse - fine <= rtol * fine:
+            return interval
+    return 1e-4
+
+
 # ---------------------------------------------------------------- delta
 
 
@@ -429,12 +481,12 @@ class BudgetTracker:
       sampling_probability: q, in (0, 1].
       delta: target delta, in (0, 1).
       target_epsilon: budget, > 0, or None for no limit (tracking only).
-      accountant: "rdp" or "pld", as in `epsilon`.
+      accountant: "pld" (default) or "rdp", as in `epsilon`.
       value_discretization_interval: PLD only, as in `epsilon`.
 
     Example::
 
-      >>> tracker = BudgetTracker(1.1, 0.01, 1e-5, target_epsilon=2.0)
+      >>> tracker = BudgetTracker(1.1, 0.01, 1e-5, target_epsilon=2.0, accountant="rdp")
       >>> tracker.step(1000)
       >>> round(tracker.epsilon(), 3), tracker.can_step(600)
       (1.712, False)
@@ -453,7 +505,7 @@ class BudgetTracker:
         delta: float,
         *,
         target_epsilon: float | None = None,
-        accountant: str = "rdp",
+        accountant: str = "pld",
         value_discretization_interval: float = DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
     ):
         self.noise_multiplier = _check_noise_multiplier(noise_multiplier)

@@ -33,7 +33,7 @@ def get_config() -> config_dict.ConfigDict:
     c.b2 = 0.95                          # adam beta2
     c.dtype = "float32"                  # compute dtype: "float32" | "bfloat16" (params stay float32)
     c.remat = "none"                     # per-block activation checkpointing (DP-safe): "none" | "dots" | "full"
-    c.accountant = "rdp"                 # privacy accountant: "rdp" | "pld"
+    c.accountant = "pld"                 # privacy accountant: "pld" (tighter, default) | "rdp"
 
     c.model = config_dict.ConfigDict()
     c.model.family = "gpt2"              # "gpt2" | "llama" (fields: experiments/configs/llama_tiny.py)
