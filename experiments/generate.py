@@ -1,6 +1,6 @@
 """Samples text from a run directory of `experiments.pretrain_gpt2` (GPT-2 or Llama).
 
-    python -m experiments.generate --workdir=runs/pretrain_gpt2 --prompt="The state of the Union"
+    python -m experiments.generate --workdir=runs/pretrain_gpt2 --prompt="In the"
 
 The shareable part of a run directory is enough: `model/`, `config.json` and
 `tokenizer/` (README, "What is protected").
@@ -14,7 +14,7 @@ from absl import logging
 from jaxdp.training import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/pretrain_gpt2", "Run directory.")
-_PROMPT = flags.DEFINE_string("prompt", "The state of the Union", "Text to continue.")
+_PROMPT = flags.DEFINE_string("prompt", "In the", "Text to continue (any corpus).")
 _TOKENS = flags.DEFINE_integer("num_tokens", 64, "Tokens to generate per sample.")
 _SAMPLES = flags.DEFINE_integer("num_samples", 3, "Number of samples.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (0 = greedy).")

@@ -41,7 +41,8 @@ def _print_summary(s: dict, workdir: str) -> None:
         f"  train loss       {fmt(s['train_loss'])}  (perplexity {fmt(s['train_perplexity'], '.2f')})",
         f"  val loss         {fmt(s['val_loss'])}  (perplexity {fmt(s['val_perplexity'], '.2f')}; "
         f"untrained {fmt(s['initial_val_loss'])})",
-        f"  epsilon          {fmt(s['epsilon'], '.4g')}" + ("" if s["dp"] else "  (non-DP baseline)"),
+        f"  epsilon          {fmt(s['epsilon'], '.4g')}" + (f"  ({s['accountant']} accountant)" if s["dp"]
+                                                               else "  (non-DP baseline)"),
         f"  delta            {fmt(s['delta'], '.3g')}" + ("" if not s["dp"] else
         f"  (mechanism {s['delta_mechanism']:.3g} + sampling slack {s['sampling_slack']:.2g})"),
         f"  sigma            {fmt(s['noise_multiplier'], '.4g')}",

@@ -60,8 +60,8 @@ def load_documents(path: str | os.PathLike | None = None) -> list[str]:
     """Returns the documents of a corpus, in a deterministic order.
 
     Args:
-      path: None for the bundled State of the Union corpus; a `.txt` file (one
-        document); a directory (every `*.txt` below it, recursively, one
+      path: None for the bundled State of the Union corpus; a `.txt` file
+        (split into sections at blank lines, `split_text_file`); a directory (every `*.txt` below it, recursively, one
         document each, sorted by relative path); or a `.jsonl` / `.jsonl.gz`
         file (one JSON object per line with a string field `text`).
 
@@ -94,7 +94,7 @@ def load_documents(path: str | os.PathLike | None = None) -> list[str]:
         with gzip.open(p, "rb") as f:
             docs = _read_jsonl(f, str(p))
     elif p.suffix.lower() == ".txt":
-        docs = [_read_text(p)]
+        docs = split_text_file(_read_text(p))
     else:
         raise ValueError(f"unsupported corpus path {p}: expected a .txt file, a directory "
                          "of .txt files, or a .jsonl / .jsonl.gz file")
@@ -102,6 +102,36 @@ def load_documents(path: str | os.PathLike | None = None) -> list[str]:
     if not docs:
         raise ValueError(f"corpus {p} contains no text")
     return docs
+
+
+TEXT_SECTION_CHARS = 4096  # a single .txt file is cut into documents of at least this many characters
+
+
+def split_text_file(text: str, min_chars: int = TEXT_SECTION_CHARS) -> list[str]:
+    """One long text as documents: consecutive paragraphs (blank-line separated; lines, where the text
+    has no blank line) joined until a section holds >= `min_chars` characters; the last, if shorter,
+    joins the one before.
+
+    A single file is then split into train / validation by section like any corpus of documents, and
+    each section ends with the end-of-text token in the token stream. The text itself is unchanged
+    apart from the whitespace between paragraphs.
+    """
+    parts = [q for q in text.split("\n\n") if q.strip()]
+    sep = "\n\n"
+    if len(parts) <= 1:
+        parts, sep = [q for q in text.splitlines() if q.strip()], "\n"
+    sections, current = [], []
+    for part in parts:
+        current.append(part)
+        if sum(map(len, current)) >= min_chars:
+            sections.append(sep.join(current))
+            current = []
+    if current:
+        if sections:
+            sections[-1] = sep.join([sections[-1], *current])
+        else:
+            sections.append(sep.join(current))
+    return sections
 
 
 def _read_text(path: pathlib.Path) -> str:
@@ -123,7 +153,7 @@ def _read_jsonl(f, where: str) -> list[str]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}:{lineno}: invalid JSON ({e.msg})") from None
+            raise ValueError(f"{where}:{lineno}: invalid JSON ({e.msg} column {e.colno})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise ValueError(f"{where}:{lineno}: expected an object with a string field 'text'")
         if obj["text"].strip():

@@ -48,7 +48,23 @@ def _expected_stream(docs, tok):
 def test_load_txt_file(tmp_path):
     path = tmp_path / "one.txt"
     path.write_text("Hello, wörld.\nSecond line.\n", encoding="utf-8")
-    assert data.load_documents(path) == ["Hello, wörld.\nSecond line.\n"]
+    assert data.load_documents(path) == ["Hello, wörld.\nSecond line."]
+
+
+def test_one_txt_file_is_split_into_sections_at_paragraphs(tmp_path):
+    """A single long file becomes documents of >= min_chars, cut only at blank lines (at line ends
+    where it has none), every paragraph kept, in order; so it can be split into train / validation."""
+    rng = np.random.default_rng()
+    paragraphs = [" ".join(f"w{x}" for x in rng.integers(0, 999, rng.integers(5, 80))) for _ in range(300)]
+    text = "\n\n".join(paragraphs) + "\n"
+    (tmp_path / "book.txt").write_text(text)
+    docs = data.load_documents(tmp_path / "book.txt")
+    assert len(docs) > 10 and all(len(d) >= data.TEXT_SECTION_CHARS for d in docs)
+    assert "\n\n".join(docs) == text  # nothing lost or reordered; cuts at paragraph ends
+    lines = "\n".join(paragraphs)  # no blank line: cut at line ends
+    assert len(data.split_text_file(lines, 1000)) > 10 and "\n".join(data.split_text_file(lines, 1000)) == lines
+    train, valid = data.split_documents(docs, 0.1)
+    assert len(train) and len(valid)
 
 
 def test_load_directory_recursive_sorted(tmp_path):

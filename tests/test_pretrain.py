@@ -149,6 +149,32 @@ def test_run_directory_and_learning(reference_run):
         np.testing.assert_array_equal(a, b)
 
 
+def test_privacy_receipt_states_what_ran_and_holds_no_secret(reference_run):
+    """privacy.json: unit, adjacency, accountant, sigma, C, clipping, normalisation, q and how sampling was
+    done, steps, delta and how it was chosen, epsilon, audit slot, what lies outside the guarantee; equal to
+    summary.json where both say it; no root seed, derived seed or loss in it."""
+    from jaxdp.training import receipt
+    workdir, summary = reference_run
+    r = json.loads((workdir / receipt.PRIVACY_FILE).read_text())
+    for key in ("unit", "adjacency", "accountant", "steps", "delta", "delta_from", "epsilon", "mechanism",
+                "sampling", "audit_lower_bound", "outside_the_guarantee", "randomness"):
+        assert key in r, key
+    m, smp = r["mechanism"], r["sampling"]
+    assert {"clipping", "l2_norm_clip", "noise_multiplier", "normalisation", "sensitivity"} <= m.keys()
+    assert (r["epsilon"], r["delta"], r["accountant"], r["steps"]) == (
+        summary["epsilon"], summary["delta"], summary["accountant"], summary["steps"])
+    assert m["noise_multiplier"] == summary["noise_multiplier"] and m["l2_norm_clip"] == 1.0
+    assert smp["sampling_probability"] == summary["sampling_probability"]
+    assert smp["max_batch_size"] == summary["max_batch_size"] and smp["overflow"] == "truncate"
+    text = (workdir / receipt.PRIVACY_FILE).read_text()
+    root = run_dir.Checkpointer(workdir / "checkpoints")
+    meta = root.restore_meta(root.latest_step())
+    root.close()
+    secrets = [meta["root_seed"]] + [noise.derive_seed(meta["root_seed"], d) for d in (noise.NOISE, noise.SAMPLER)]
+    assert not [x for x in secrets if len(str(x)) > 6 and str(x) in text]  # the tiny run pins root 0
+    assert str(summary["train_loss"])[:8] not in text and str(summary["val_loss"])[:8] not in text
+
+
 def assert_delta_pays_the_sampling_slack(summary):
     """Default delta 10^-(digits of N) < 1/N; max_batch_size sized so the overflow slack is <= delta / 10;
     the accountant ran at delta - slack."""
@@ -163,7 +189,9 @@ def assert_delta_pays_the_sampling_slack(summary):
     assert summary["overflow_probability"] == p.overflow_probability > 0
     assert 0 < slack == sampling.overflow_slack(8.0, steps, p.overflow_probability) <= delta / 10
     assert summary["delta_mechanism"] == delta - slack
-    assert summary["epsilon"] == accounting.epsilon(summary["noise_multiplier"], q, steps, delta - slack)
+    assert summary["accountant"] == "pld"
+    assert summary["epsilon"] == accounting.epsilon(summary["noise_multiplier"], q, steps, delta - slack,
+                                                    value_discretization_interval=summary["pld_interval"])
 
 
 def assert_first_metrics_equal(workdir, reference_workdir, *, num_rows):
@@ -326,9 +354,10 @@ def test_budget_stops_before_exceeding_target(corpus, tmp_path, monkeypatch):
 
     first = training.prepare(budget_config(1.0))
     q = first.sampler.sampling_probability
-    target = accounting.epsilon(sigma, q, 6, first.delta_mechanism)
+    target = accounting.epsilon(sigma, q, 6, first.delta_mechanism, value_discretization_interval=first.pld_interval)
     p = training.prepare(budget_config(target))
-    stop = accounting.BudgetTracker(sigma, q, p.delta_mechanism, target_epsilon=target).max_steps
+    stop = accounting.BudgetTracker(sigma, q, p.delta_mechanism, target_epsilon=target,
+                                    value_discretization_interval=p.pld_interval).max_steps
     assert 2 <= stop < 50  # the first update moves the model (warmup: step 0's learning rate is 0)
     log_every = next(k for k in (2, 3, 4, 5, 7) if stop % k)
     trainers = []
@@ -344,7 +373,7 @@ def test_budget_stops_before_exceeding_target(corpus, tmp_path, monkeypatch):
     assert "privacy budget" in summary["stop_reason"]
     assert summary["epsilon"] <= target
     over = accounting.epsilon(sigma, summary["sampling_probability"], summary["steps"] + 1,
-                              summary["delta_mechanism"])
+                              summary["delta_mechanism"], value_discretization_interval=summary["pld_interval"])
     assert over > target  # one more step would have exceeded it
     (trainer,) = trainers
     model, _, _ = training.load_for_generation(tmp_path / "budget")
@@ -440,6 +469,26 @@ def test_memory_budget_picks_the_micro_batch(corpus, tmp_path):
     p = training.prepare(tiny_config(corpus, tmp_path / "b", memory_budget_gb=budget, **kw))
     assert p.accumulation_steps == 2 and p.sampler.max_batch_size % 2 == 0
     assert training.prepare(tiny_config(corpus, tmp_path / "c", memory_budget_gb=1e3, **kw)).accumulation_steps == 1
+
+
+def test_one_txt_file_corpus_trains(corpus, tmp_path):
+    """A single .txt file (README: `--config.data.path` takes one) is split into sections and trains."""
+    text = "\n\n".join(json.loads(line)["text"] for line in corpus.read_text().splitlines())
+    (tmp_path / "book.txt").write_text(text)
+    s = training.train(tiny_config(tmp_path / "book.txt", tmp_path / "run", steps=2), verbose=False)
+    assert s["steps"] == 2 and np.isfinite(s["val_loss"]) and s["num_train_windows"] > 0
+
+
+def test_pld_is_the_default_accountant_and_needs_less_noise(corpus, tmp_path):
+    """The default config accounts with PLD; its calibrated sigma is below RDP's for the same target."""
+    assert default.get_config().accountant == "pld"
+    pld = training.prepare(tiny_config(corpus, tmp_path / "a"))
+    rdp = training.prepare(tiny_config(corpus, tmp_path / "b", accountant="rdp"))
+    assert pld.noise_multiplier < 0.95 * rdp.noise_multiplier
+    from jaxdp import accounting
+    eps = accounting.epsilon(pld.noise_multiplier, pld.sampler.sampling_probability, 6, pld.delta_mechanism,
+                             accountant="pld", value_discretization_interval=pld.pld_interval)
+    assert 0.99 * 8.0 <= eps <= 8.0 and TINY["steps"] == 6
 
 
 def test_empty_corpus_is_rejected(tmp_path):

@@ -266,6 +266,7 @@ class Prepared:
     # The guarantee (DP only; None without): (epsilon, delta) with delta = delta_mechanism + sampling_slack.
     delta: float | None                # the run's total delta (config.dp.delta, or default_delta(N))
     delta_mechanism: float | None      # the accountant's delta (sigma calibration, budget stop)
+    pld_interval: float                # the PLD accountant's grid spacing (`accounting.pld_interval`)
     sampling_slack: float | None       # (1 + e^target_epsilon) * steps * sampler.overflow_probability
     delta_from: str | None             # how delta was chosen
     max_batch_size_from: str           # how sampler.max_batch_size was chosen
@@ -339,7 +340,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
         k = plan_accumulation(config, sampler.max_batch_size, tokenizer.vocab_size, progress=progress)
     sampler.max_batch_size = _round_batch(config, sampler.max_batch_size, k)
     delta_mechanism = slack = None
-    sigma = 0.0
+    sigma, pld_interval = 0.0, accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL
     if dp.enabled:
         slack = overflow_slack(dp.target_epsilon, config.steps, sampler.overflow_probability)
         if sampler.max_batch_size < smallest:
@@ -353,20 +354,33 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
                 f"= {delta * DEFAULT_SLACK_FRACTION:.2g}; the smallest max_batch_size accepted is {accepted} "
                 "(None sizes it)")
         delta_mechanism = delta - slack
-        if dp.noise_multiplier is not None:
-            sigma = float(dp.noise_multiplier)
-        else:
-            sigma = accounting.calibrate_noise_multiplier(
-                dp.target_epsilon, sampler.sampling_probability, config.steps, delta_mechanism,
-                accountant=config.accountant)
+        sigma, pld_interval = _noise_multiplier(config, sampler.sampling_probability, delta_mechanism)
     m = valid.num_windows
     eval_indices = np.unique(np.linspace(0, m - 1, min(m, config.eval_windows)).astype(np.int64))
     mc = model_config(config.model, tokenizer.vocab_size, dtype=config.dtype, remat=config.remat)
     return Prepared(config=config, config_json=cfg_json, workdir=workdir, tokenizer=tokenizer, train=train,
                     valid=valid, model_config=mc, sampler=sampler, accumulation_steps=k, noise_multiplier=sigma,
+                    pld_interval=pld_interval,
                     eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
                     delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
                     max_batch_size_from=max_batch_size_from)
+
+
+def _noise_multiplier(config, q: float, delta: float) -> tuple[float, float]:
+    """(sigma: config.dp.noise_multiplier, else calibrated to dp.target_epsilon; the PLD grid spacing
+    the run accounts with: `accounting.pld_interval` at that sigma, unused by RDP)."""
+    fixed = config.dp.noise_multiplier
+
+    def calibrate(interval):
+        return accounting.calibrate_noise_multiplier(config.dp.target_epsilon, q, config.steps, delta,
+                                                     accountant=config.accountant,
+                                                     value_discretization_interval=interval)
+    if config.accountant == "rdp":
+        interval = accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL
+        return float(fixed) if fixed is not None else calibrate(interval), interval
+    sigma = float(fixed) if fixed is not None else calibrate(1e-2)  # cheap; then at the spacing it needs
+    interval = accounting.pld_interval(sigma, q, config.steps, delta)
+    return (sigma if fixed is not None else calibrate(interval)), interval
 
 
 _SLACK_BOUND = f"delta / {1 / DEFAULT_SLACK_FRACTION:g}"  # the share of delta overflow may take, in words
@@ -382,28 +396,35 @@ def _round_batch(config, max_batch_size: int, k: int | None = None) -> int:
 def plan_accumulation(config, max_batch_size: int, vocab_size: int, *, progress: Callable | None = None) -> int:
     """The fewest micro-batches per logical batch whose compiled step fits config.memory_budget_gb.
 
-    Tries config.accumulation_steps, then twice as many, ... (micro-batch ceil(max_batch_size / k))
-    until the single-device step's compiled bytes (`memory_analysis()`: arguments + outputs +
-    temporaries - aliased) fit the budget or the micro-batch is 1. The logical batch, hence the
+    Tries config.accumulation_steps; if that does not fit, micro-batch 1 (one compile, so that a budget
+    nothing fits fails at once), then twice as many micro-batches, ... (micro-batch
+    ceil(max_batch_size / k)) until the single-device step's compiled bytes (`memory_analysis()`:
+    arguments + outputs + temporaries - aliased) fit the budget. The logical batch, hence the
     guarantee, is unchanged: noise is still added once per logical batch. Compiles on shapes only.
     """
     budget = config.memory_budget_gb * 2**30
     mc = model_config(config.model, vocab_size, dtype=config.dtype, remat=config.remat)
     model = nnx.eval_shape(lambda: build_model(mc, 0))
-    k = config.accumulation_steps
-    while True:
+
+    def fits(k):
         micro = -(-max_batch_size // k)
         nbytes = steps.compiled_step_bytes(config, model, micro, k)
-        fits = nbytes <= budget
-        if progress is not None or not fits:
+        ok = nbytes <= budget
+        if progress is not None or not ok:
             print(f"micro-batch {micro} (accumulation {k}): compiled step {nbytes / 2**30:.2f} GiB "
-                  f"{'<=' if fits else '>'} config.memory_budget_gb = {config.memory_budget_gb:g}",
+                  f"{'<=' if ok else '>'} config.memory_budget_gb = {config.memory_budget_gb:g}",
                   file=sys.stderr, flush=True)
-        if fits:
-            return k
-        _require(micro > 1, f"even micro-batch 1 needs {nbytes / 2**30:.2f} GiB > config.memory_budget_gb = "
-                            f"{config.memory_budget_gb:g}: raise it, or use remat / a mesh")
+        _require(ok or micro > 1, f"even micro-batch 1 needs {nbytes / 2**30:.2f} GiB > config.memory_budget_gb"
+                                  f" = {config.memory_budget_gb:g}: raise it, or use remat / a mesh")
+        return ok
+
+    k = config.accumulation_steps
+    if fits(k):
+        return k
+    fits(max_batch_size)  # micro-batch 1: one compile to fail fast where nothing fits
+    while not fits(2 * k):
         k *= 2
+    return 2 * k
 
 
 PINNED_SEED = "pinned (kept in the checkpoint)"  # config.json's `seed` when config.seed was set

@@ -31,6 +31,7 @@ from jaxdp import data as data_lib
 from jaxdp import noise as noise_lib
 from jaxdp.training.config import Prepared, build_model, prepare, runs_sharded_step
 from jaxdp.training.generation import write_samples
+from jaxdp.training.receipt import privacy_receipt, write_privacy_receipt
 from jaxdp.training.run_dir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
@@ -103,7 +104,8 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     if dp:
         tracker = accounting.BudgetTracker(p.noise_multiplier, q, p.delta_mechanism,
                                            target_epsilon=config.dp.target_epsilon,
-                                           accountant=config.accountant)
+                                           accountant=config.accountant,
+                                           value_discretization_interval=p.pld_interval)
     checkpointer = Checkpointer(workdir / CHECKPOINT_DIR)
     start = checkpointer.latest_step() or 0
     rows = read_metrics(workdir)
@@ -114,6 +116,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         log(f"resuming {workdir} from the checkpoint at step {start}", verbose)
     rows = [r for r in rows if r["step"] <= start]
     if start == 0:
+        log(f"evaluating the untrained model on {len(p.eval_indices)} validation windows ...", verbose)
         rows = [{"step": 0, "train_loss": None, "epsilon": 0.0 if dp else None,
                  "val_loss": evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)}]
     write_metrics(workdir, rows)
@@ -124,8 +127,9 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         step_fn = make_train_step(dp, per_example="reference" if config.dp.strategy == "reference" else "jaxdp")
     else:
         step_fn = lambda model, optimizer, batch: sharded(batch)
-    progress = Progress(config.steps, verbose)
-    tokens_done, t_first, window_losses = 0, None, []
+    progress = Progress(config.steps, verbose, accountant=config.accountant if dp else None)
+    tokens_done, t_first, t_paused, window_losses = 0, None, 0.0, []
+    last_row, tps = rows[-1], 0.0
     stop_reason = None
     metrics_f = open(workdir / METRICS_FILE, "a")
     step = start
@@ -140,37 +144,49 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
             indices, mask = sampler.sample(step)
             tokens = p.train.get(indices)
             count = int(mask.sum())
-            loss_sum = 0.0
             mb = sampler.max_batch_size // k
+            if t_first is None:
+                log(f"compiling the {'DP' if dp else 'non-DP'} step (micro-batch {mb}, {k} per step) ...", verbose)
+                t_compile = time.perf_counter()
+            micro_losses = []  # device scalars: no host sync per micro-batch, the host runs ahead
             for j in range(k):
                 batch = {"tokens": tokens[j * mb:(j + 1) * mb], "mask": mask[j * mb:(j + 1) * mb]}
                 if not dp:
                     batch["divisor"] = np.float32(max(count, 1))
-                loss_sum += float(step_fn(model, optimizer, batch))
+                micro_losses.append(step_fn(model, optimizer, batch))
             if tracker is not None:
                 tracker.step()
             n = step + 1
-            window_losses.append(loss_sum / max(count, 1))
+            window_losses.append((micro_losses, count))
             if t_first is None:
+                jax.block_until_ready(micro_losses)
                 t_first = time.perf_counter()  # after the first (compiling) step
+                log(f"compiled and ran the first step in {t_first - t_compile:.1f} s", verbose)
             else:
                 tokens_done += count * config.seq_len
-            tps = tokens_done / max(time.perf_counter() - t_first, 1e-9)
             if sharded is not None and (n % config.log_every == 0 or n == config.steps
                                         or n == interrupt_after):
                 sharded.sync()  # the host-side model / optimizer used by eval and checkpoints
             if n % config.log_every == 0 or n == config.steps:
+                train_loss = float(np.mean([sum(float(x) for x in losses) / max(c, 1)
+                                            for losses, c in window_losses]))  # syncs
+                t_log = time.perf_counter()
+                tps = tokens_done / max(t_log - t_first - t_paused, 1e-9)
                 eps = tracker.epsilon() if tracker is not None else None
-                row = {"step": n, "train_loss": float(np.mean(window_losses)), "epsilon": eps}
+                row = {"step": n, "train_loss": train_loss, "epsilon": eps}
                 window_losses = []
                 if n % config.eval_every == 0 or n == config.steps:
                     row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)
                 rows.append(row)
                 metrics_f.write(json.dumps(row) + "\n")
                 metrics_f.flush()
-                progress.update(n, row["train_loss"], tps, eps)
+                last_row = row
+                t_paused += time.perf_counter() - t_log  # accounting and evaluation are not training time
+            progress.update(n, last_row, tps if tokens_done else None)  # every step; values as last logged
             if n % config.checkpoint_every == 0 and n != config.steps:
+                t_save = time.perf_counter()
                 checkpointer.save(n, model, optimizer, _meta(n, tracker, p))
+                t_paused += time.perf_counter() - t_save
             if interrupt_after is not None and n >= interrupt_after:
                 progress.close()
                 return {"interrupted_at": n}
@@ -178,6 +194,9 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
             step = config.steps
     finally:
         metrics_f.close()
+    if tokens_done:
+        jax.block_until_ready(nnx.state(model))  # the steps dispatched since the last logged one
+        tps = tokens_done / max(time.perf_counter() - t_first - t_paused, 1e-9)
     if sharded is not None:
         sharded.sync()  # the loop may stop between log boundaries (budget): eval, save and samples see the last step
     progress.close()
@@ -212,6 +231,8 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         "initial_val_loss": initial_val_loss,
         "dp": dp,
         "epsilon": tracker.epsilon() if tracker is not None else math.inf,
+        "accountant": config.accountant if dp else None,
+        "pld_interval": p.pld_interval if dp and config.accountant == "pld" else None,
         "delta": p.delta,  # the guarantee: (epsilon, delta), delta = delta_mechanism + sampling_slack
         "delta_from": p.delta_from,
         "delta_mechanism": p.delta_mechanism,
@@ -233,7 +254,10 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         "overflowed_steps_this_process": sampler.overflow_count,
     }
     (workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    write_plots(workdir, rows)
+    write_privacy_receipt(workdir, privacy_receipt(config, p, steps=last, epsilon=summary["epsilon"] if dp else None,
+                                                   overflowed_steps=sampler.overflow_count))
+    write_plots(workdir, rows, target_epsilon=config.dp.target_epsilon if dp else None,
+                accountant=config.accountant if dp else None)
     write_model(workdir / MODEL_DIR, model)
     if config.sample.num > 0:
         write_samples(model, p, config)

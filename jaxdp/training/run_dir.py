@@ -9,6 +9,7 @@
                               is kept. PRIVATE: the root seed and the key reproduce the noise.
              model/params.npz the final parameters alone (no optimizer state, no key): the model
                               to share; written when the run ends
+             privacy.json     the privacy receipt (`jaxdp.training.receipt`)
              summary.json, loss.png, epsilon.png, samples.txt
 
 README.md ("What is protected") says which of these may be shared.
@@ -16,7 +17,9 @@ README.md ("What is protected") says which of these may be shared.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import pathlib
 import sys
@@ -45,6 +48,19 @@ def _to_saveable(leaf):
     return np.asarray(leaf)
 
 
+@contextlib.contextmanager
+def _orbax_errors_only():
+    """orbax logs through absl; its warnings (e.g. on a checkpoint a kill left half written, which
+    resume ignores by design) would land in the middle of the progress line."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 class Checkpointer:
     """Orbax checkpoints of (model, optimizer) state plus a JSON of host state; the latest is kept."""
 
@@ -68,17 +84,19 @@ class Checkpointer:
     def save(self, step: int, model, optimizer, meta: dict) -> None:
         ocp = self._ocp
         leaves = [_to_saveable(x) for x in jax.tree.leaves(nnx.state((model, optimizer)))]
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"leaves": leaves}), meta=ocp.args.JsonSave(meta)), force=True)
-        self._manager.wait_until_finished()
+        with _orbax_errors_only():
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"leaves": leaves}), meta=ocp.args.JsonSave(meta)), force=True)
+            self._manager.wait_until_finished()
 
     def restore(self, step: int, model, optimizer) -> dict:
         ocp = self._ocp
         state = nnx.state((model, optimizer))
         leaves, treedef = jax.tree.flatten(state)
         target = {"leaves": [_to_saveable(x) for x in leaves]}
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+        with _orbax_errors_only():
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
         new = []
         for old, value in zip(leaves, restored["state"]["leaves"]):
             if jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key):
@@ -173,8 +191,10 @@ def read_json(path) -> dict | None:
         return None
 
 
-def write_plots(workdir, rows: list[dict]) -> list[str]:
-    """loss.png (train / validation loss) and epsilon.png against step; [] without matplotlib."""
+def write_plots(workdir, rows: list[dict], *, target_epsilon: float | None = None,
+                accountant: str | None = None) -> list[str]:
+    """loss.png (train / validation loss) and epsilon.png (spent, with the target as a line) against
+    step; [] without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -190,14 +210,17 @@ def write_plots(workdir, rows: list[dict]) -> list[str]:
         ax.plot(*zip(*tr), label="train")
     if va:
         ax.plot(*zip(*va), marker="o", label="validation")
-    ax.set_xlabel("step"); ax.set_ylabel("loss (nats / token)"); ax.legend(); ax.grid(alpha=0.3)
+    ax.set_title("loss"); ax.set_xlabel("step"); ax.set_ylabel("loss (nats / token)"); ax.legend(); ax.grid(alpha=0.3)
     fig.tight_layout(); fig.savefig(workdir / "loss.png", dpi=100); plt.close(fig)
     written.append("loss.png")
     eps = [(r["step"], r["epsilon"]) for r in rows if r.get("epsilon") is not None]
     if eps:
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(*zip(*eps))
-        ax.set_xlabel("step"); ax.set_ylabel("epsilon spent"); ax.grid(alpha=0.3)
+        ax.plot(*zip(*eps), label="spent")
+        if target_epsilon is not None:
+            ax.axhline(target_epsilon, color="tab:red", linestyle="--", label=f"target {target_epsilon:g}")
+        ax.set_title(f"privacy spent ({accountant or 'unknown'} accountant)")
+        ax.set_xlabel("step"); ax.set_ylabel("epsilon"); ax.legend(); ax.grid(alpha=0.3)
         fig.tight_layout(); fig.savefig(workdir / "epsilon.png", dpi=100); plt.close(fig)
         written.append("epsilon.png")
     return written
@@ -207,19 +230,22 @@ def write_plots(workdir, rows: list[dict]) -> list[str]:
 
 
 class Progress:
-    """One stderr line updated in place."""
+    """One stderr line updated in place at every step: step, and the last logged loss and epsilon."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled
+    def __init__(self, total: int, enabled: bool, *, accountant: str | None = None):
+        self.total, self.enabled, self.accountant = total, enabled, accountant
 
-    def update(self, step, loss, tokens_per_s, eps):
+    def update(self, step: int, row: dict, tokens_per_s: float | None):
+        """`row`: the latest metrics.jsonl line (train_loss None before the first logged step)."""
         if not self.enabled:
             return
         width = 24
         done = int(width * step / max(self.total, 1))
-        eps_s = "inf" if eps is None else f"{eps:.3f}"
+        loss, eps = row.get("train_loss"), row.get("epsilon")
+        eps_s = "inf (non-DP)" if self.accountant is None else f"{eps:.3f} ({self.accountant})"
         print(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{self.total} "
-              f"loss {loss:.4f} tok/s {tokens_per_s:,.0f} eps {eps_s}   ",
+              f"loss {'-' if loss is None else format(loss, '.4f')} "
+              f"tok/s {'-' if not tokens_per_s else format(tokens_per_s, ',.0f')} eps {eps_s}   ",
               end="", file=sys.stderr, flush=True)
 
     def close(self):
