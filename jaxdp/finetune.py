@@ -14,6 +14,9 @@ Methods (`METHODS`, `prepare(model, method, ...)`):
   prompt   prompt tuning (Lester et al. 2021, arXiv:2104.08691; PromptDPSGD:
            Duan et al. 2023, arXiv:2305.15594): `length` learned embeddings
            before the tokens (`jaxdp.nn.SoftPrompt`, GPT-2).
+  side     MemDPT-side: a ladder side network of width d / reduction beside the
+           frozen GPT-2, which the backward never enters
+           (`jaxdp.models.ladder_side.LadderSideGPT2`; `prepare` returns it).
 
 How it fits the per-example machinery. New trainable weights are `jaxdp.nn`
 layers (LoRA's A and B, the adapters' down / up projections are `Linear`s, the
@@ -46,8 +49,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp import nn
+from jaxdp.models.ladder_side import LadderSideGPT2
 
-METHODS = ("full", "lora", "adapter", "bitfit", "prompt")
+METHODS = ("full", "lora", "adapter", "bitfit", "prompt", "side")
 DEFAULT_LORA_TARGETS = ("attn/c_attn",)                 # LoRA's choice for GPT-2 (W_q, W_v inside c_attn)
 DEFAULT_ADAPTER_TARGETS = ("attn/c_proj", "mlp/c_proj")  # Houlsby: after attention and after the MLP
 Path = tuple
@@ -217,6 +221,8 @@ def trainable_filter(method: str, *, train_layer_norms: bool = True) -> Trainabl
         return lambda path, owner: "adapter" in path or isinstance(owner, norms)
     if method == "bitfit":
         return lambda path, owner: path[-1] == "bias"
+    if method == "side":
+        return lambda path, owner: path[0] != "backbone"
     return lambda path, owner: isinstance(owner, nn.SoftPrompt)
 
 
@@ -227,8 +233,11 @@ def check_method(method: str) -> None:
 
 def prepare(model: nnx.Module, method: str, *, rngs: nnx.Rngs, rank: int = 8, alpha: float | None = None,
             lora_targets=DEFAULT_LORA_TARGETS, bottleneck: int = 64, adapter_targets=DEFAULT_ADAPTER_TARGETS,
-            train_layer_norms: bool = True, prompt_length: int = 20) -> nnx.Module:
+            train_layer_norms: bool = True, prompt_length: int = 20, side_reduction: int = 8) -> nnx.Module:
     """Adds `method`'s modules to `model` and freezes all but its trainable parameters, in place.
+
+    "side" wraps `model` (a GPT-2) in a `LadderSideGPT2` and returns that: use
+    the returned model.
 
     Args:
       model: a model built from `jaxdp.nn` layers ("prompt": a GPT-2).
@@ -239,9 +248,11 @@ def prepare(model: nnx.Module, method: str, *, rngs: nnx.Rngs, rank: int = 8, al
       bottleneck, adapter_targets, train_layer_norms: the adapters' width, the
         projections they follow, and whether layer norms train with them.
       prompt_length: the soft prompt's number of embeddings.
+      side_reduction: the side network's width is d_model / side_reduction.
 
     Returns:
-      `model`, whose `nnx.Param`s are exactly the method's trainable parameters.
+      `model` (for "side", the side network holding it as `backbone`), whose
+      `nnx.Param`s are exactly the method's trainable parameters.
     """
     check_method(method)
     if method == "lora":
@@ -250,4 +261,6 @@ def prepare(model: nnx.Module, method: str, *, rngs: nnx.Rngs, rank: int = 8, al
         add_adapters(model, bottleneck=bottleneck, targets=adapter_targets, rngs=rngs)
     elif method == "prompt":
         add_soft_prompt(model, length=prompt_length, rngs=rngs)
+    elif method == "side":
+        model = LadderSideGPT2(model, reduction=side_reduction, rngs=rngs)
     return freeze(model, trainable_filter(method, train_layer_norms=train_layer_norms))

@@ -12,6 +12,7 @@ parameters:
   RMSNorm     scale: sum_t xhat * g
 
   SoftPrompt  embedding: g[:, :n] (the prompt's output gradient itself)
+  Gate        alpha: mu (1 - mu) / temperature * sum_t <g, a - b>
 
 A parameter must be used only through its layer's methods; a direct read of
 `layer.kernel` elsewhere in the model would not be seen by the rule.
@@ -241,4 +242,35 @@ class SoftPrompt(nnx.Module):
         return jnp.concatenate([prompt_BND, x_BTD.astype(dtype)], axis=1)
 
 
-DP_LAYERS = (Linear, Embed, LayerNorm, RMSNorm, SoftPrompt)
+class Gate(nnx.Module):
+    """A learned scalar mix `b + mu (a - b)`, `mu = sigmoid(alpha / temperature)` (LST's ladder gate, arXiv:2206.06522).
+
+    Per-example gradient of `alpha`: `sum_t <g_t, mu (1 - mu) / temperature (a_t - b_t)>`,
+    a DenseTerm of shape (B,), from the recorded `dz/dalpha` (z = mu (a - b)).
+    """
+
+    def __init__(self, *, init: float = 0.0, temperature: float = 0.1, rngs: nnx.Rngs | None = None):
+        del rngs
+        if temperature <= 0:
+            raise ValueError(f"Gate temperature must be > 0, got {temperature}")
+        self.temperature = temperature
+        self.alpha = nnx.Param(jnp.asarray(init, jnp.float32))
+        self.dp_path = None
+
+    def __call__(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        mu = jax.nn.sigmoid(self.alpha[...] / self.temperature)
+        diff = a - b
+        z = (mu * diff).astype(diff.dtype)
+        if is_trainable(self.alpha):
+            # dz/dalpha = mu (1 - mu) / temperature * (a - b): recorded whole, so that terms_fn is a pure
+            # function of (record, g) (it runs after the traced forward has returned).
+            dz_dalpha = (mu * (1 - mu) / self.temperature * diff).astype(_accum_dtype(diff.dtype))
+
+            def terms_fn(r, g):
+                r, g = _flatten_BTF(r), _flatten_BTF(g)
+                return {"alpha": DenseTerm(jnp.sum(r * g.astype(r.dtype), axis=(1, 2)))}
+            z = _tape.tap(self, "gate", z, dz_dalpha, terms_fn)
+        return b + z
+
+
+DP_LAYERS = (Linear, Embed, LayerNorm, RMSNorm, SoftPrompt, Gate)

@@ -1,4 +1,5 @@
-"""Trainable subsets (LoRA, adapters, BiTFiT, soft prompt): equal to the vmap reference, frozen costs nothing."""
+"""Trainable subsets (LoRA, adapters, BiTFiT, soft prompt, ladder side network): equal to the vmap reference,
+frozen costs nothing."""
 
 import dataclasses
 
@@ -12,40 +13,40 @@ from flax import nnx
 
 import jaxdp
 from jaxdp import finetune
-from dp_testing import by_path, lm_batch, lm_loss, tiny_gpt2
+from dp_testing import by_path, lm_batch, lm_loss
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 
 RTOL = 1e-5  # float32, highest matmul precision
-METHOD_KWARGS = dict(rank=4, alpha=8.0, bottleneck=8, prompt_length=3)
+METHOD_KWARGS = dict(rank=4, alpha=8.0, bottleneck=8, prompt_length=3, side_reduction=8)
 
 
 def tiny_config(n_layer=1):
     return dataclasses.replace(GPT2Config.preset("tiny", vocab_size=97, seq_len=32), n_layer=n_layer)
 
 
-def randomize_lora_b(model, seed):
-    """LoRA's B starts at zero, which makes A's per-example gradients zero: the comparison would be empty."""
+def random_model(build, seed):
+    """The model `build()` makes, built abstractly (no eager init: at these shapes its op-by-op compiles cost
+    seconds), with every parameter drawn afresh: N(1, 0.1^2) for norm scales, N(0, 0.1^2) otherwise. So
+    LoRA's B and the side network's up-projection are not zero (which would zero the per-example gradients
+    before them and leave the comparison empty)."""
+    graphdef, state = nnx.split(nnx.eval_shape(build))
     rng = np.random.default_rng(seed)
-    for path, var in nnx.to_flat_state(nnx.state(model)):
-        if "lora_b" in path:
-            var.set_value(jnp.asarray(0.1 * rng.standard_normal(var.get_value().shape), jnp.float32))
-    return model
+    leaves = [(path, var.replace(jnp.asarray((path[-1] == "scale") + 0.1 * rng.standard_normal(var.shape),
+                                             var.dtype)))
+              for path, var in nnx.to_flat_state(state)]
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
 def prepared(method, seed):
-    """A one-block tiny GPT-2 fine-tuned by `method`."""
-    model = finetune.prepare(GPT2(tiny_config(), rngs=nnx.Rngs(seed)), method, rngs=nnx.Rngs(seed + 1),
-                             **METHOD_KWARGS)
-    return randomize_lora_b(model, seed)
+    """A one-block tiny GPT-2 fine-tuned by `method`, random parameters."""
+    return random_model(lambda: finetune.prepare(GPT2(tiny_config(), rngs=nnx.Rngs(seed)), method,
+                                                 rngs=nnx.Rngs(seed + 1), **METHOD_KWARGS), seed)
 
 
-def plant(grads):
-    """A 1% error in the per-example gradient of the first trainable parameter."""
-    flat = list(nnx.to_flat_state(grads))
-    (path, var), rest = flat[0], flat[1:]
-    terms = tuple(jax.tree.map(lambda a: a * 1.01 if jnp.issubdtype(a.dtype, jnp.floating) else a, t)
-                  for t in var.get_value().terms)
-    return nnx.from_flat_state([(path, var.replace(jaxdp.FactoredGrad(terms)))] + rest)
+def plant(per_example):
+    """A 1% error in the per-example gradients {path: (B, ...)} of the first trainable parameter."""
+    first = next(iter(per_example))
+    return {p: g * 1.01 if p == first else g for p, g in per_example.items()}
 
 
 # Tiny shapes: compile time dominates, and XLA's backend optimisations cost half of it (as experiments/long_context).
@@ -60,7 +61,7 @@ def fast_jit(fn):
 @fast_jit
 def fast_and_reference(graphdef, state, batch, C):
     """Clipped sums of the factored path (flat: ghost norms, per-layer: instantiated) and of the vmap
-    reference, and the factored flat sums with a planted error: one compile per method."""
+    reference, and the reference's flat sums with a planted error: one compile per method."""
     model = nnx.merge(graphdef, state)
     _, grads = jaxdp.per_example_grads(lm_loss, fallback=False)(model, batch)
     _, ref = jaxdp.reference.per_example_grads(lm_loss, model, batch)
@@ -69,7 +70,7 @@ def fast_and_reference(graphdef, state, batch, C):
         expected, norms = jaxdp.reference.clipped_sum(ref, C, clipping=clipping)
         out[clipping] = {"expected": expected, "norms": norms,
                          "fast": jaxdp.clipped_aggregate(grads, C, clipping=clipping, strategy=strategy)[0]}
-    out["flat"]["planted"] = jaxdp.clipped_aggregate(plant(grads), C, clipping="flat", strategy="ghost")[0]
+    out["flat"]["planted"] = jaxdp.reference.clipped_sum(plant(ref), C)[0]
     return out
 
 
@@ -92,7 +93,7 @@ def rel_err(actual, expected):
     return max(np.abs(actual[p] - expected[p]).max() / np.abs(expected[p]).max() for p in expected)
 
 
-@pytest.mark.parametrize("method", ["lora", "adapter", "bitfit", "prompt"])
+@pytest.mark.parametrize("method", ["lora", "adapter", "bitfit", "prompt", "side"])
 def test_equals_reference_on_trainable_parameters(method):
     model = prepared(method, seed=len(method))
     batch = lm_batch(seed=len(method) + 1, B=5, T=12)
@@ -105,21 +106,26 @@ def test_equals_reference_on_trainable_parameters(method):
         expected = numpy_by_path(sums["expected"])
         assert set(expected) == set(finetune.trainable_paths(model))
         assert rel_err(numpy_by_path(sums["fast"]), expected) <= RTOL, clipping
-    assert rel_err(numpy_by_path(out["flat"]["planted"]), numpy_by_path(out["flat"]["expected"])) > 10 * RTOL
+    # The same comparison fails for a 1% error in one parameter's per-example gradients.
+    assert rel_err(numpy_by_path(out["flat"]["fast"]), numpy_by_path(out["flat"]["planted"])) > 10 * RTOL
 
 
-def test_optimizer_step_leaves_frozen_parameters_unchanged():
+def test_optimizer_step_leaves_frozen_parameters_unchanged_and_prompted_logits_are_causal():
     """All four methods on one model; a DP adamw step (weight decay 0.1) through nnx.Optimizer(wrt=nnx.Param)
     moves every trainable parameter and no frozen one. The per-example gradients are random arrays of the
     trainable tree (per_example_grads returns exactly that tree: test_equals_reference_on_trainable_parameters),
     which keeps the model out of this compile; sigma = 0, as noise (added to the same tree) costs seconds
     of compile and adds nothing to the property."""
-    model = GPT2(tiny_config(), rngs=nnx.Rngs(0))
-    finetune.add_lora(model, rank=METHOD_KWARGS["rank"], rngs=nnx.Rngs(1))
-    finetune.add_adapters(model, bottleneck=METHOD_KWARGS["bottleneck"], rngs=nnx.Rngs(2))
-    finetune.add_soft_prompt(model, length=METHOD_KWARGS["prompt_length"], rngs=nnx.Rngs(3))
-    methods = [finetune.trainable_filter(m, train_layer_norms=False) for m in ("lora", "adapter", "bitfit", "prompt")]
-    finetune.freeze(model, lambda path, owner: any(f(path, owner) for f in methods))
+    def build():
+        model = GPT2(tiny_config(), rngs=nnx.Rngs(0))
+        finetune.add_lora(model, rank=METHOD_KWARGS["rank"], rngs=nnx.Rngs(1))
+        finetune.add_adapters(model, bottleneck=METHOD_KWARGS["bottleneck"], rngs=nnx.Rngs(2))
+        finetune.add_soft_prompt(model, length=METHOD_KWARGS["prompt_length"], rngs=nnx.Rngs(3))
+        methods = [finetune.trainable_filter(m, train_layer_norms=False)
+                   for m in ("lora", "adapter", "bitfit", "prompt")]
+        return finetune.freeze(model, lambda path, owner: any(f(path, owner) for f in methods))
+
+    model = random_model(build, seed=4)
     frozen = numpy_by_path(nnx.state(model, jaxdp.nn.Frozen))
     trainable = numpy_by_path(nnx.state(model, nnx.Param))
     assert {p[-1] for p in frozen} == {"kernel", "scale", "embedding"} and ("blocks", 0, "ln_1", "bias") in trainable
@@ -143,19 +149,31 @@ def test_optimizer_step_leaves_frozen_parameters_unchanged():
     for path, value in numpy_by_path(nnx.state(model, nnx.Param)).items():
         assert not np.array_equal(value, trainable[path]), path
 
+    # With the soft prompt before them, the tokens' logits keep their shape and stay causal.
+    tokens = jax.random.randint(jax.random.key(9), (2, 10), 0, 97)
+    logits = logits_fn(model, tokens)
+    assert logits.shape == (2, 10, 97)
+    changed = logits_fn(model, tokens.at[:, 6:].set((tokens[:, 6:] + 1) % 97))
+    np.testing.assert_allclose(changed[:, :6], logits[:, :6], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(changed[:, 6:], logits[:, 6:])
+    with pytest.raises(ValueError, match="seq_len"):
+        model(jnp.zeros((1, 32 - 2), jnp.int32))  # 3 prompt embeddings + 30 tokens > seq_len 32
 
-def dot_output_shapes(jaxpr) -> set:
-    """Output shapes of every dot_general in a jaxpr, inner jaxprs (custom_vjp, pjit, remat) included."""
-    shapes = set()
+
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr, inner jaxprs (custom_vjp, pjit, remat) included."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            shapes.add(tuple(eqn.outvars[0].aval.shape))
+        yield eqn
         for param in eqn.params.values():
             for sub in param if isinstance(param, (list, tuple)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
                 if isinstance(inner, jax.extend.core.Jaxpr):
-                    shapes |= dot_output_shapes(inner)
-    return shapes
+                    yield from all_eqns(inner)
+
+
+def dot_output_shapes(jaxpr) -> set:
+    """Output shapes of every dot_general in a jaxpr."""
+    return {tuple(eqn.outvars[0].aval.shape) for eqn in all_eqns(jaxpr) if eqn.primitive.name == "dot_general"}
 
 
 def weight_gradient_dots(fn, model, frozen_shapes) -> set:
@@ -187,6 +205,25 @@ def test_frozen_layers_cost_no_per_example_work_and_no_weight_gradient():
     assert len(weight_gradient_dots(plain_grads, model, frozen_shapes)) >= 4
 
 
+def test_side_network_backward_never_enters_the_backbone():
+    """MemDPT-side: the traced DP gradient uses each backbone block kernel once (its forward GEMM), so no
+    backbone activation is kept for a backward; LoRA, which backpropagates through the backbone, uses them
+    more often (the count can fail)."""
+    kernels = {(64, 192), (64, 64), (64, 256), (256, 64)}  # a tiny block's c_attn, c_proj, c_fc, mlp c_proj
+
+    def backbone_gemms(model):
+        graphdef, state = nnx.split(model)
+        batch = lm_batch(seed=1, B=2, T=8)
+        jaxpr = jax.make_jaxpr(lambda s: jaxdp.per_example_grads(lm_loss)(nnx.merge(graphdef, s), batch))(state)
+        return sum(1 for eqn in all_eqns(jaxpr.jaxpr) if eqn.primitive.name == "dot_general"
+                   and any(tuple(v.aval.shape) in kernels for v in eqn.invars))
+
+    side = prepared("side", seed=11)
+    assert side.up.kernel.shape == (64 // METHOD_KWARGS["side_reduction"], 64)
+    assert backbone_gemms(side) == len(kernels)
+    assert backbone_gemms(prepared("lora", seed=12)) > len(kernels)
+
+
 def test_lora_merge_and_hf_export(tmp_path):
     """merge_lora folds W + scale A B into the base kernel: same logits, then the HF export accepts the model."""
     model = prepared("lora", seed=5)
@@ -201,18 +238,6 @@ def test_lora_merge_and_hf_export(tmp_path):
         jaxdp.save_hf_gpt2(prepared("adapter", seed=7), tmp_path)
 
 
-def test_soft_prompt_leaves_logit_shape_and_causality():
-    model = prepared("prompt", seed=8)
-    tokens = jax.random.randint(jax.random.key(9), (2, 10), 0, 97)
-    logits = logits_fn(model, tokens)
-    assert logits.shape == (2, 10, 97)
-    changed = logits_fn(model, tokens.at[:, 6:].set((tokens[:, 6:] + 1) % 97))
-    np.testing.assert_allclose(changed[:, :6], logits[:, :6], rtol=1e-5, atol=1e-6)
-    assert not np.allclose(changed[:, 6:], logits[:, 6:])
-    with pytest.raises(ValueError, match="seq_len"):
-        model(jnp.zeros((1, 32 - 2), jnp.int32))  # 3 prompt embeddings + 30 tokens > seq_len 32
-
-
 @pytest.mark.parametrize("call, match", [
     (lambda m: finetune.prepare(m, "prefix", rngs=nnx.Rngs(0)), "method must be one of"),
     (lambda m: finetune.add_lora(m, rank=0, rngs=nnx.Rngs(0)), "rank must be"),
@@ -222,7 +247,8 @@ def test_soft_prompt_leaves_logit_shape_and_causality():
     (lambda m: finetune.add_adapters(m, bottleneck=0, rngs=nnx.Rngs(0)), "bottleneck must be"),
     (lambda m: finetune.add_soft_prompt(m.blocks[0], length=2, rngs=nnx.Rngs(0)), "GPT2"),
     (lambda m: finetune.add_soft_prompt(m, length=0, rngs=nnx.Rngs(0)), "length must be"),
+    (lambda m: finetune.prepare(m, "side", side_reduction=3, rngs=nnx.Rngs(0)), "reduction must be .* d_model=64"),
 ])
 def test_bad_arguments_are_named(call, match):
     with pytest.raises(ValueError, match=match):
-        call(tiny_gpt2())
+        call(nnx.eval_shape(lambda: GPT2(tiny_config(), rngs=nnx.Rngs(0))))

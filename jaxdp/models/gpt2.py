@@ -138,7 +138,15 @@ class GPT2(nnx.Module):
         self.soft_prompt = nnx.data(None)  # prompt tuning: a jaxdp.nn.SoftPrompt (jaxdp.finetune.add_soft_prompt)
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
-        B, num_tokens = tokens_BT.shape
+        x_BTD, positions_T = self.embed(tokens_BT)
+        apply = remat_block(_apply_block, self.config.remat)
+        for block in self.blocks:
+            x_BTD = apply(block, x_BTD, positions_T)
+        return self.logits(x_BTD, tokens_BT.shape[1])
+
+    def embed(self, tokens_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(the first block's input x_BTD, positions_T): token (after a soft prompt, if any) + position embeddings."""
+        B = tokens_BT.shape[0]
         x_BTD = self.wte(tokens_BT)
         if self.soft_prompt is not None:  # learned embeddings before the tokens; their logits are dropped
             if context.seq_axis() is not None:
@@ -149,9 +157,9 @@ class GPT2(nnx.Module):
             raise ValueError(f"sequence length {context.global_seq_len(T)} exceeds "
                              f"GPT2Config.seq_len={self.config.seq_len}")
         positions_T = context.seq_offset(T) + jnp.arange(T)
-        x_BTD = x_BTD + self.wpe(jnp.broadcast_to(positions_T, (B, T)))
-        apply = remat_block(_apply_block, self.config.remat)
-        for block in self.blocks:
-            x_BTD = apply(block, x_BTD, positions_T)
-        logits_BTV = self.wte.attend(self.ln_f(x_BTD[:, T - num_tokens:]))
+        return x_BTD + self.wpe(jnp.broadcast_to(positions_T, (B, T))), positions_T
+
+    def logits(self, x_BTD: jax.Array, num_tokens: int) -> jax.Array:
+        """Final norm and tied head on the last `num_tokens` positions (float32 logits)."""
+        logits_BTV = self.wte.attend(self.ln_f(x_BTD[:, x_BTD.shape[1] - num_tokens:]))
         return logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))
