@@ -9,6 +9,7 @@ from jaxdp import models
 from jaxdp import nn
 from jaxdp import noise
 from jaxdp import pallas
+from jaxdp import privacy_budget
 from jaxdp import reference
 from jaxdp import sampling
 from jaxdp import sharding
@@ -51,6 +52,7 @@ __all__ = [
     "noise",
     "pallas",
     "per_example_grads",
+    "privacy_budget",
     "reference",
     "sampling",
     "save_hf_gpt2",

@@ -14,6 +14,7 @@ import pytest
 from dp_accounting import pld, rdp
 
 from jaxdp import accounting
+from jaxdp import privacy_budget
 
 # (noise_multiplier, sampling_probability, steps, delta)
 _CASES = [
@@ -148,11 +149,11 @@ def test_default_delta_is_below_a_tenth_of_one_over_n_and_reveals_only_the_magni
     ("rdp", 1.1, 0.01, 1000, 2.0), ("pld", 5.0, 0.1, 100, 1.0)])
 def test_tracker_round_trip_and_refusal(accountant, sigma, q, steps, target):
     delta = 1e-5
-    tracker = accounting.BudgetTracker(sigma, q, delta, target_epsilon=target,
-                                       accountant=accountant)
+    tracker = privacy_budget.BudgetTracker(sigma, q, delta, target_epsilon=target,
+                                           accountant=accountant)
     tracker.step(steps)
     state = json.loads(json.dumps(tracker.state_dict()))
-    restored = accounting.BudgetTracker.from_state_dict(state)
+    restored = privacy_budget.BudgetTracker.from_state_dict(state)
     assert restored.state_dict() == tracker.state_dict()
     assert restored.steps == steps
     assert restored.epsilon() == tracker.epsilon()
@@ -196,7 +197,7 @@ def test_pld_falls_back_to_rdp_where_its_grid_would_not_fit_in_memory():
 
 
 def test_tracker_without_target_never_refuses():
-    tracker = accounting.BudgetTracker(0.5, 0.5, 1e-5)
+    tracker = privacy_budget.BudgetTracker(0.5, 0.5, 1e-5)
     assert tracker.max_steps is None
     tracker.step(10**6)
     assert tracker.can_step(10**6)
@@ -207,7 +208,7 @@ def test_tracker_caches_epsilon(monkeypatch):
     calls = []
     real = accounting._epsilon
     monkeypatch.setattr(accounting, "_epsilon", lambda *a: calls.append(a) or real(*a))
-    tracker = accounting.BudgetTracker(1.0, 0.01, 1e-5)
+    tracker = privacy_budget.BudgetTracker(1.0, 0.01, 1e-5)
     tracker.step(10)
     first = tracker.epsilon()
     assert tracker.epsilon() == first and len(calls) == 1
@@ -241,7 +242,7 @@ def _steps_for(**overrides):
 def _tracker(**overrides):
     kw = {"noise_multiplier": 1.0, "sampling_probability": 0.01, "delta": 1e-5,
           **overrides}
-    return accounting.BudgetTracker(**kw)
+    return privacy_budget.BudgetTracker(**kw)
 
 
 @pytest.mark.parametrize("call,overrides,match", [
@@ -280,4 +281,4 @@ def test_tracker_bad_step_count():
     with pytest.raises(ValueError, match=r"n .*>= 0"):
         tracker.step(-1)
     with pytest.raises(ValueError, match=r"steps .*>= 0"):
-        accounting.BudgetTracker.from_state_dict({**tracker.state_dict(), "steps": -3})
+        privacy_budget.BudgetTracker.from_state_dict({**tracker.state_dict(), "steps": -3})

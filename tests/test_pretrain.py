@@ -343,7 +343,7 @@ def test_budget_stops_before_exceeding_target(corpus, tmp_path, monkeypatch):
     """A fixed sigma with a target epsilon that 6 steps reach: training stops before the 7th. The run
     uses dp.method="two_pass" (ShardedDPStep on one device) and stops at a step that is not a
     multiple of log_every: the saved final parameters must be the trainer's, not the last log step's."""
-    from jaxdp import accounting
+    from jaxdp import accounting, privacy_budget
     from jaxdp.training import loop
     sigma = 1.0
 
@@ -356,8 +356,8 @@ def test_budget_stops_before_exceeding_target(corpus, tmp_path, monkeypatch):
     q = first.sampler.sampling_probability
     target = accounting.epsilon(sigma, q, 6, first.delta_mechanism, value_discretization_interval=first.pld_interval)
     p = training.prepare(budget_config(target))
-    stop = accounting.BudgetTracker(sigma, q, p.delta_mechanism, target_epsilon=target,
-                                    value_discretization_interval=p.pld_interval).max_steps
+    stop = privacy_budget.BudgetTracker(sigma, q, p.delta_mechanism, target_epsilon=target,
+                                        value_discretization_interval=p.pld_interval).max_steps
     assert 2 <= stop < 50  # the first update moves the model (warmup: step 0's learning rate is 0)
     log_every = next(k for k in (2, 3, 4, 5, 7) if stop % k)
     trainers = []

@@ -2,7 +2,7 @@
 
 Poisson sampling on the host (`jaxdp.sampling`; the draw of step s depends
 only on (the sampler's seed, s)), one jitted step per micro-batch (`jaxdp.training.steps`),
-the privacy accountant (`jaxdp.accounting.BudgetTracker`), which stops
+the privacy accountant (`jaxdp.privacy_budget.BudgetTracker`), which stops
 training BEFORE the step that would exceed `dp.target_epsilon`, metrics,
 evaluation and checkpoints in the run directory (`jaxdp.training.run_dir`).
 With `mesh.data * mesh.seq > 1` the DP step runs on a (data, seq) mesh
@@ -26,9 +26,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxdp import accounting
 from jaxdp import data as data_lib
 from jaxdp import noise as noise_lib
+from jaxdp.privacy_budget import BudgetTracker
 from jaxdp.training.config import Prepared, build_model, prepare, runs_sharded_step
 from jaxdp.training.generation import write_samples
 from jaxdp.training.receipt import privacy_receipt, write_privacy_receipt
@@ -103,17 +103,17 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
                                accumulation_steps=k)
     tracker = None
     if dp:
-        tracker = accounting.BudgetTracker(p.noise_multiplier, q, p.delta_mechanism,
-                                           target_epsilon=config.dp.target_epsilon,
-                                           accountant=config.accountant,
-                                           value_discretization_interval=p.pld_interval)
+        tracker = BudgetTracker(p.noise_multiplier, q, p.delta_mechanism,
+                                target_epsilon=config.dp.target_epsilon,
+                                accountant=config.accountant,
+                                value_discretization_interval=p.pld_interval)
     checkpointer = Checkpointer(workdir / CHECKPOINT_DIR)
     start = checkpointer.latest_step() or 0
     rows = read_metrics(workdir)
     if start:
         meta = checkpointer.restore(start, model, optimizer)
         if tracker is not None:
-            tracker = accounting.BudgetTracker.from_state_dict(meta["accountant"])
+            tracker = BudgetTracker.from_state_dict(meta["accountant"])
         log(f"resuming {workdir} from the checkpoint at step {start}", verbose)
     rows = [r for r in rows if r["step"] <= start]
     if start == 0:
