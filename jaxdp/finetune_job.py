@@ -37,7 +37,9 @@ from jaxdp import finetune, tasks
 from jaxdp import noise as noise_lib
 from jaxdp.models import hf_gpt2
 from jaxdp.training import config as config_lib
-from jaxdp.training.config import ConfigError, Prepared
+from jaxdp.training import preparation
+from jaxdp.training.config import ConfigError
+from jaxdp.training.preparation import Prepared
 from jaxdp.training.run_dir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
@@ -162,7 +164,7 @@ def prepare(config, *, progress=None) -> Prepared:
     if ft.method == "prompt" and resolved.seq_len + ft.prompt_length > resolved.model.max_seq_len:
         raise ConfigError(f"config.seq_len ({resolved.seq_len}) + config.finetune.prompt_length ({ft.prompt_length}) "
                           f"exceeds the model's {resolved.model.max_seq_len} positions")
-    p = config_lib.prepare(resolved, progress=progress)
+    p = preparation.prepare(resolved, progress=progress)
     if kind == "hf" and _hf_vocab(ft.init) != p.tokenizer.vocab_size:
         raise ConfigError(f"config.finetune.init: the checkpoint's vocab_size ({_hf_vocab(ft.init)}) differs from "
                           f"the GPT-2 tokenizer's ({p.tokenizer.vocab_size})")

@@ -4,8 +4,8 @@
 (every field: `experiments/configs/default.py`; a Llama model:
 `experiments/configs/llama_tiny.py`):
 
-  1. `prepare(config)` (`config`) validates every value, loads the corpus,
-     builds the tokenizer and the token windows (the DP records), calibrates
+  1. `prepare(config)` (`preparation`) validates every value (`config`),
+     loads the corpus, builds the tokenizer and the token windows (the DP records), calibrates
      sigma and checks any existing run directory, all BEFORE anything is
      written to the workdir; a bad value raises `ConfigError` with a one-line
      message. `config.model.family` ("gpt2" | "llama") picks the model.
@@ -29,16 +29,16 @@ workdir is an error, not a silent mix. `load_for_generation(workdir)` and
 
 from jaxdp.training.config import MODEL_FAMILIES
 from jaxdp.training.config import ConfigError
-from jaxdp.training.config import Prepared
 from jaxdp.training.config import build_model
 from jaxdp.training.config import model_config
-from jaxdp.training.config import prepare
 from jaxdp.training.config import validate_config
 from jaxdp.training.generation import DEFAULT_PROMPTS
 from jaxdp.training.generation import generate
 from jaxdp.training.generation import load_for_generation
 from jaxdp.training.loop import maybe_initialize_distributed
 from jaxdp.training.loop import train
+from jaxdp.training.preparation import Prepared
+from jaxdp.training.preparation import prepare
 from jaxdp.training.run_dir import read_metrics
 from jaxdp.training.steps import evaluate
 

@@ -1,21 +1,8 @@
-"""The job's config: validation, the model it names, and `prepare` (data, tokenizer, sampler, sigma).
+"""The job's config: validation (`validate_config`, `ConfigError`) and the model it names.
 
-Nothing here writes to the run directory: `prepare(config)` checks every value
-and every input (corpus, tokenizer, an existing run's config) first, so a bad
-value raises `ConfigError` with a one-line message and leaves the workdir as
-it was.
-
-Secret randomness (`jaxdp.noise`). Every random choice of a run derives from
-one root seed through its own domain: the sampler's seed is
-`derive_seed(root, SAMPLER)`, the noise key `key_from_seed(derive_seed(root,
-NOISE))`, the model's initialisation `derive_seed(root, INIT)`, sample i of
-samples.txt `derive_seed(root, SAMPLES, i)` (`Prepared.derive_seed`). The
-root is `config.seed` when set (it then reproduces the run bit for bit, and
-the guarantee assumes it is secret), else 128 bits of OS entropy. It is kept
-only in the checkpoints' meta (the private part of the run directory), and a
-resume reads it from there: `config.json` records only whether it was pinned.
-A run killed before its first checkpoint starts again with a fresh root
-(nothing covered by the guarantee was released).
+A bad value raises `ConfigError` with a one-line message naming it, before
+anything is read or written (`jaxdp.training.preparation.prepare` calls
+`validate_config` first).
 
 `config.model.family` picks the architecture, and with it the fields of
 `config.model` (see `MODEL_FIELDS`): "gpt2" (`jaxdp.models.gpt2`,
@@ -25,37 +12,20 @@ A run killed before its first checkpoint starts again with a fresh root
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-import os
-import pathlib
-import sys
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import jax
-import numpy as np
 from flax import nnx
 
 from jaxdp import accounting
-from jaxdp import data as data_lib
 from jaxdp import noise as noise_lib
 from jaxdp import norms as norms_lib
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.models.remat import REMAT_POLICIES
-from jaxdp.sampling import (
-    DEFAULT_MAX_OVERFLOW_PROBABILITY,
-    DEFAULT_SLACK_FRACTION,
-    OVERFLOW_MODES,
-    PoissonSampler,
-    max_batch_size_for_delta,
-    overflow_slack,
-)
+from jaxdp.sampling import OVERFLOW_MODES
 from jaxdp.sharding.dp_step import METHODS, check_mesh_strategy
-from jaxdp.training import steps
-from jaxdp.training.run_dir import CHECKPOINT_DIR, CONFIG_FILE, TOKENIZER_DIR, latest_checkpoint_meta
 
 
 class ConfigError(ValueError):
@@ -257,247 +227,3 @@ def validate_config(config) -> None:
                  f"config.dp.noise_multiplier must be None (calibrate) or > 0, got {dp.noise_multiplier!r}")
         _require(dp.delta is None or 0 < dp.delta < 1,
                  f"config.dp.delta must be None (min(10^-(digits of N + 1), 1e-5)) or in (0, 1), got {dp.delta!r}")
-
-
-# ------------------------------------------------------------------ preparation (no writes)
-
-
-@dataclasses.dataclass
-class Prepared:
-    config: Any
-    config_json: dict
-    workdir: pathlib.Path
-    tokenizer: data_lib.Tokenizer
-    train: data_lib.TokenWindows
-    valid: data_lib.TokenWindows
-    model_config: GPT2Config | LlamaConfig
-    sampler: PoissonSampler
-    accumulation_steps: int            # micro-batches per logical batch (config's, or planned for memory_budget_gb)
-    noise_multiplier: float
-    eval_indices: np.ndarray
-    root_seed: int = dataclasses.field(repr=False)  # secret: kept only in checkpoints
-    seed_pinned: bool
-    # The guarantee (DP only; None without): (epsilon, delta) with delta = delta_mechanism + sampling_slack.
-    delta: float | None                # the run's total delta (config.dp.delta, or default_delta(N))
-    delta_mechanism: float | None      # the accountant's delta (sigma calibration, budget stop)
-    pld_interval: float                # the PLD accountant's grid spacing (`accounting.pld_interval`)
-    sampling_slack: float | None       # (1 + e^target_epsilon) * steps * sampler.overflow_probability
-    delta_from: str | None             # how delta was chosen
-    max_batch_size_from: str           # how sampler.max_batch_size was chosen
-    # The model the loop trains, `build_model(seed)`; None: `build_model(model_config, seed)`, a fresh
-    # one. Fine-tuning (`jaxdp.finetune_job`) sets it: pretrained weights, then `jaxdp.finetune.prepare`.
-    build_model: Callable[[int], nnx.Module] | None = dataclasses.field(default=None, repr=False)
-
-    def derive_seed(self, domain: str, *path: str | int) -> int:
-        """The seed of one use of randomness (`jaxdp.noise.derive_seed` of the root)."""
-        return noise_lib.derive_seed(self.root_seed, domain, *path)
-
-
-def prepare(config, *, progress: Callable | None = None) -> Prepared:
-    """Validates the config and builds data, tokenizer, sampler and sigma; writes nothing to the workdir."""
-    validate_config(config)
-    workdir = pathlib.Path(config.workdir)
-    cfg_json = json.loads(config.to_json_best_effort(sort_keys=True))
-    if workdir.exists() and not workdir.is_dir():
-        raise ConfigError(f"config.workdir {workdir} exists and is not a directory")
-    try:
-        docs, ids = data_lib.load_corpus(config.data.path, id_field=config.data.id_field)
-    except ValueError as e:
-        raise ConfigError(f"config.data.path: {e}") from None
-    root_seed, seed_pinned = _root_seed(config, workdir)
-    cfg_json["seed"] = PINNED_SEED if seed_pinned else None  # never the seed itself
-    saved = workdir / CONFIG_FILE
-    if saved.is_file():
-        old, new = _run_defining(json.loads(saved.read_text())), _run_defining(cfg_json)
-        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        if diff:
-            raise ConfigError(
-                f"workdir {workdir} holds a run with a different config (differs in: "
-                f"{', '.join(diff[:5])}); pass a new --config.workdir to start another run")
-    tok_dir = workdir / TOKENIZER_DIR
-    try:
-        if (tok_dir / "tokenizer.json").is_file():
-            tokenizer = data_lib.Tokenizer.load(tok_dir)
-        else:
-            tokenizer = data_lib.make_tokenizer(config.data.tokenizer, docs)
-    except (ValueError, ImportError) as e:
-        raise ConfigError(f"config.data.tokenizer: {e}") from None
-    kw = dict(validation_fraction=config.data.validation_fraction, cache_dir=config.data.cache_dir,
-              progress=progress, ids=ids)
-    try:
-        train = data_lib.TokenWindows(docs, tokenizer, config.seq_len, split="train", **kw)
-        valid = data_lib.TokenWindows(docs, tokenizer, config.seq_len, split="validation", **kw)
-    except ValueError as e:
-        raise ConfigError(f"config.data: {e}") from None
-    unit = config.privacy.unit
-    n = train.num_windows if unit == "window" else train.num_units  # N: the privacy units sampled
-    _require(config.batch_size <= n,
-             f"config.batch_size ({config.batch_size}) exceeds the {n} training {unit}s of the corpus")
-    dp = config.dp
-    max_batch_size = config.max_batch_size
-    max_batch_size_from = "config.max_batch_size"
-    delta = delta_from = None
-    if dp.enabled:
-        delta, delta_from = ((dp.delta, "config.dp.delta") if dp.delta is not None else
-                             (accounting.default_delta(n), "default: min(10^-(number of digits of N + 1), 1e-5)"))
-        # The accountant runs at delta - slack: the slack may take at most delta / 10.
-        smallest = _round_batch(config, max_batch_size_for_delta(
-            n, config.batch_size, config.steps, dp.target_epsilon, delta))
-        if max_batch_size is None:
-            max_batch_size = smallest
-            max_batch_size_from = f"sized: sampling slack <= {_SLACK_BOUND}"
-    elif max_batch_size is None:
-        max_batch_size_from = f"overflow probability < {DEFAULT_MAX_OVERFLOW_PROBABILITY:g} per step"
-    try:
-        sampler = PoissonSampler(n, config.batch_size, max_batch_size=max_batch_size,
-                                 seed=noise_lib.derive_seed(root_seed, noise_lib.SAMPLER), overflow=dp.overflow)
-    except ValueError as e:
-        raise ConfigError(f"sampler: {e}") from None
-    k = config.accumulation_steps
-    if config.memory_budget_gb is not None:
-        k = plan_accumulation(config, sampler.max_batch_size, tokenizer.vocab_size, progress=progress)
-    sampler.max_batch_size = _round_batch(config, sampler.max_batch_size, k)
-    delta_mechanism = slack = None
-    sigma, pld_interval = 0.0, accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL
-    if dp.enabled:
-        slack = overflow_slack(dp.target_epsilon, config.steps, sampler.overflow_probability)
-        if sampler.max_batch_size < smallest:
-            accepted = smallest  # the smallest value that _round_batch takes to `smallest` or above
-            while accepted > 1 and _round_batch(config, accepted - 1) >= smallest:
-                accepted -= 1
-            raise ConfigError(
-                f"config.max_batch_size = {config.max_batch_size} overflows with probability "
-                f"{sampler.overflow_probability:.2g} per step: the sampling slack (1 + e^{dp.target_epsilon:g}) * "
-                f"{config.steps} * {sampler.overflow_probability:.2g} = {slack:.2g} exceeds {_SLACK_BOUND} "
-                f"= {delta * DEFAULT_SLACK_FRACTION:.2g}; the smallest max_batch_size accepted is {accepted} "
-                "(None sizes it)")
-        delta_mechanism = delta - slack
-        sigma, pld_interval = _noise_multiplier(config, sampler.sampling_probability, delta_mechanism)
-    m = valid.num_windows
-    eval_indices = np.unique(np.linspace(0, m - 1, min(m, config.eval_windows)).astype(np.int64))
-    mc = model_config(config.model, tokenizer.vocab_size, dtype=config.dtype, remat=config.remat)
-    return Prepared(config=config, config_json=cfg_json, workdir=workdir, tokenizer=tokenizer, train=train,
-                    valid=valid, model_config=mc, sampler=sampler, accumulation_steps=k, noise_multiplier=sigma,
-                    pld_interval=pld_interval,
-                    eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
-                    delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
-                    max_batch_size_from=max_batch_size_from)
-
-
-def _noise_multiplier(config, q: float, delta: float) -> tuple[float, float]:
-    """(sigma: config.dp.noise_multiplier, else calibrated to dp.target_epsilon; the PLD grid spacing
-    the run accounts with: `accounting.pld_interval` at that sigma, unused by RDP)."""
-    fixed = config.dp.noise_multiplier
-
-    def calibrate(interval):
-        return accounting.calibrate_noise_multiplier(config.dp.target_epsilon, q, config.steps, delta,
-                                                     accountant=config.accountant,
-                                                     value_discretization_interval=interval)
-    if config.accountant == "rdp":
-        interval = accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL
-        return float(fixed) if fixed is not None else calibrate(interval), interval
-    sigma = float(fixed) if fixed is not None else calibrate(1e-2)  # cheap; then at the spacing it needs
-    interval = accounting.pld_interval(sigma, q, config.steps, delta)
-    return (sigma if fixed is not None else calibrate(interval)), interval
-
-
-_SLACK_BOUND = f"delta / {1 / DEFAULT_SLACK_FRACTION:g}"  # the share of delta overflow may take, in words
-
-
-def _round_batch(config, max_batch_size: int, k: int | None = None) -> int:
-    """`max_batch_size` rounded up to k (default config.accumulation_steps) equal micro-batches, then to
-    equal shards over the `data` axis."""
-    max_batch_size += -max_batch_size % (k or config.accumulation_steps)
-    return max_batch_size + -max_batch_size % (config.mesh.data if runs_sharded_step(config) else 1)
-
-
-def plan_accumulation(config, max_batch_size: int, vocab_size: int, *, progress: Callable | None = None) -> int:
-    """The fewest micro-batches per logical batch whose compiled step fits config.memory_budget_gb.
-
-    Tries config.accumulation_steps; if that does not fit, micro-batch 1 (one compile, so that a budget
-    nothing fits fails at once), then twice as many micro-batches, ... (micro-batch
-    ceil(max_batch_size / k)) until the single-device step's compiled bytes (`memory_analysis()`:
-    arguments + outputs + temporaries - aliased) fit the budget. The logical batch, hence the
-    guarantee, is unchanged: noise is still added once per logical batch. Compiles on shapes only.
-    """
-    budget = config.memory_budget_gb * 2**30
-    mc = model_config(config.model, vocab_size, dtype=config.dtype, remat=config.remat)
-    model = nnx.eval_shape(lambda: build_model(mc, 0))
-
-    def fits(k):
-        micro = -(-max_batch_size // k)
-        nbytes = steps.compiled_step_bytes(config, model, micro, k)
-        ok = nbytes <= budget
-        if progress is not None or not ok:
-            print(f"micro-batch {micro} (accumulation {k}): compiled step {nbytes / 2**30:.2f} GiB "
-                  f"{'<=' if ok else '>'} config.memory_budget_gb = {config.memory_budget_gb:g}",
-                  file=sys.stderr, flush=True)
-        _require(ok or micro > 1, f"even micro-batch 1 needs {nbytes / 2**30:.2f} GiB > config.memory_budget_gb"
-                                  f" = {config.memory_budget_gb:g}: raise it, or use remat / a mesh")
-        return ok
-
-    k = config.accumulation_steps
-    if fits(k):
-        return k
-    fits(max_batch_size)  # micro-batch 1: one compile to fail fast where nothing fits
-    while not fits(2 * k):
-        k *= 2
-    return 2 * k
-
-
-PINNED_SEED = "pinned (kept in the checkpoint)"  # config.json's `seed` when config.seed was set
-
-
-def _root_seed(config, workdir: pathlib.Path) -> tuple[int, bool]:
-    """(the run's root seed, whether it was pinned): the latest checkpoint's, else config.seed, else fresh."""
-    meta = latest_checkpoint_meta(workdir / CHECKPOINT_DIR)
-    if meta is not None:
-        _require("root_seed" in meta, f"the checkpoint in {workdir} has no root seed (written before seeds were "
-                                      "secret); pass a new --config.workdir to start another run")
-        _require(config.seed is None or config.seed == meta["root_seed"],
-                 f"config.seed differs from the root seed kept in the checkpoint of {workdir}; leave "
-                 "config.seed unset to resume that run, or pass a new --config.workdir")
-        return int(meta["root_seed"]), bool(meta["seed_pinned"])
-    if config.seed is not None:
-        return int(config.seed), True
-    return _same_on_every_host(noise_lib.secret_seed()), False
-
-
-def _same_on_every_host(seed: int) -> int:
-    """Process 0's `seed` on every host of a multi-host run (each host draws its own otherwise)."""
-    if jax.process_count() == 1:
-        return seed
-    from jax.experimental import multihost_utils
-    words = np.array([(seed >> (32 * i)) & 0xFFFFFFFF for i in range(4)], np.uint32)  # 128 bits
-    words = np.asarray(multihost_utils.broadcast_one_to_all(words))
-    return sum(int(w) << (32 * i) for i, w in enumerate(words))
-
-
-_PATH_FIELDS = ("data.path", "data.cache_dir")  # compared as resolved paths, not as spelled
-
-
-def _run_defining(cfg_json: dict) -> dict:
-    """The flattened config fields that define a run, for comparing a saved run with a resumed one.
-
-    Not `workdir` (the run directory is the one being resumed however it is spelled: relative,
-    absolute, trailing slash) nor `seed` (checked against the checkpoint by `_root_seed`); paths
-    resolved, so `corpus.txt` and `./corpus.txt` are the same corpus.
-    """
-    flat = _flat(cfg_json)
-    flat.pop("workdir", None)
-    flat.pop("seed", None)
-    for key in _PATH_FIELDS:
-        path = flat.get(key)
-        if isinstance(path, str) and path and os.path.exists(os.path.expanduser(path)):
-            flat[key] = os.path.realpath(os.path.expanduser(path))  # a corpus name stays a name
-    return flat
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

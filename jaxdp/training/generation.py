@@ -18,7 +18,8 @@ from flax import nnx
 
 from jaxdp import data as data_lib
 from jaxdp import noise as noise_lib
-from jaxdp.training.config import ConfigError, Prepared, build_model, model_config
+from jaxdp.training.config import ConfigError, build_model, model_config
+from jaxdp.training.preparation import Prepared
 from jaxdp.training.run_dir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,

@@ -12,7 +12,7 @@ Resume: rerunning with the same config restores the latest checkpoint and
 drops the `metrics.jsonl` lines after it, so an interrupted-and-resumed run
 writes exactly the metrics of an uninterrupted one (steps, hence epsilon, are
 restored, never counted twice; the root seed of every random choice is read
-from the checkpoint, see `jaxdp.training.config`).
+from the checkpoint, see `jaxdp.training.preparation`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from flax import nnx
 from jaxdp import data as data_lib
 from jaxdp import noise as noise_lib
 from jaxdp.privacy_budget import BudgetTracker
-from jaxdp.training.config import Prepared, build_model, prepare, runs_sharded_step
+from jaxdp.training.config import build_model, runs_sharded_step
 from jaxdp.training.generation import write_samples
+from jaxdp.training.preparation import Prepared, prepare
 from jaxdp.training.receipt import privacy_receipt, write_privacy_receipt
 from jaxdp.training.run_dir import (
     CHECKPOINT_DIR,
