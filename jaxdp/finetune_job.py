@@ -47,10 +47,9 @@ from jaxdp.training.run_dir import (
     PARAMS_FILE,
     SUMMARY_FILE,
     TOKENIZER_DIR,
-    Checkpointer,
     latest_checkpoint_meta,
     read_json,
-    read_model,
+    read_trained,
 )
 
 FROM_INIT = "init"  # config.model.family / config.data.tokenizer of the finetune config: taken from init
@@ -131,16 +130,8 @@ def _pretrained(init: str, kind: str, model_config) -> nnx.Module:
         return hf_gpt2.load_hf_gpt2(init, dtype=model_config.dtype, remat=model_config.remat)
     path = pathlib.Path(init).expanduser()
     model = config_lib.build_model(model_config, 0)  # overwritten by the run's parameters
-    if read_model(path / MODEL_DIR, model):
-        return model
-    checkpointer = Checkpointer(path / CHECKPOINT_DIR)
-    try:
-        step = checkpointer.latest_step()
-        if step is None:
-            raise ConfigError(f"config.finetune.init {init!r} has no parameters ({MODEL_DIR}/ or a checkpoint)")
-        checkpointer.restore_model(step, model)
-    finally:
-        checkpointer.close()
+    if not read_trained(path, model):
+        raise ConfigError(f"config.finetune.init {init!r} has no parameters ({MODEL_DIR}/ or a checkpoint)")
     return model
 
 
@@ -188,16 +179,8 @@ def load_finetuned(p: Prepared) -> nnx.Module:
     """The run's trained model: the init weights, the method's modules, and `model/params.npz` (or the
     latest checkpoint, for an interrupted run) for the trained parameters."""
     model = p.build_model(p.derive_seed(noise_lib.INIT))  # trainable values are overwritten below
-    if read_model(p.workdir / MODEL_DIR, model):
-        return model
-    checkpointer = Checkpointer(p.workdir / CHECKPOINT_DIR)
-    try:
-        step = checkpointer.latest_step()
-        if step is None:
-            raise ConfigError(f"{p.workdir} has no checkpoint yet")
-        checkpointer.restore_model(step, model)
-    finally:
-        checkpointer.close()
+    if not read_trained(p.workdir, model):
+        raise ConfigError(f"{p.workdir} has no checkpoint yet")
     return model
 
 

@@ -21,13 +21,10 @@ from jaxdp import noise as noise_lib
 from jaxdp.training.config import ConfigError, build_model, model_config
 from jaxdp.training.preparation import Prepared
 from jaxdp.training.run_dir import (
-    CHECKPOINT_DIR,
     CONFIG_FILE,
-    MODEL_DIR,
     SAMPLES_FILE,
     TOKENIZER_DIR,
-    Checkpointer,
-    read_model,
+    read_trained,
 )
 
 # The prompts of samples.txt when config.sample.prompts is None: short, public, corpus-independent.
@@ -100,12 +97,6 @@ def load_for_generation(workdir) -> tuple[nnx.Module, data_lib.Tokenizer, dict]:
     model_json = dict({"family": "gpt2"}, **cfg["model"])
     model = build_model(model_config(model_json, tokenizer.vocab_size, dtype=cfg["dtype"], remat=False),
                         seed=0)  # overwritten by the saved parameters
-    if read_model(workdir / MODEL_DIR, model):
-        return model, tokenizer, cfg
-    checkpointer = Checkpointer(workdir / CHECKPOINT_DIR)
-    step = checkpointer.latest_step()
-    if step is None:
+    if not read_trained(workdir, model):
         raise ConfigError(f"{workdir} has no checkpoint yet")
-    checkpointer.restore_model(step, model)
-    checkpointer.close()
     return model, tokenizer, cfg

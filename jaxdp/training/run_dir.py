@@ -149,6 +149,22 @@ def read_model(directory: pathlib.Path, model) -> bool:
     return True
 
 
+def read_trained(workdir, model) -> bool:
+    """Loads a run's trained parameters into `model`: from `model/` (the shareable model a finished run
+    writes), else from the latest checkpoint (an interrupted run); False when the run has neither."""
+    workdir = pathlib.Path(workdir)
+    if read_model(workdir / MODEL_DIR, model):
+        return True
+    checkpointer = Checkpointer(workdir / CHECKPOINT_DIR)
+    try:
+        step = checkpointer.latest_step()
+        if step is not None:
+            checkpointer.restore_model(step, model)
+        return step is not None
+    finally:
+        checkpointer.close()
+
+
 # ------------------------------------------------------------------ metrics and plots
 
 
