@@ -39,20 +39,34 @@ def by_path(tree):
 
 
 def max_rel_err(actual, expected):
-    """max over parameters of max|a - e| / max|e| (normwise relative error)."""
+    """max over parameters of max|a - e| / max|e| (normwise relative error).
+
+    In NumPy on the host, in the arrays' dtype (as jnp would compute it): on the device every new
+    shape, dtype and sharding would compile its own small subtract / abs / max programs."""
     actual, expected = by_path(actual), by_path(expected)
     assert actual.keys() == expected.keys(), set(actual) ^ set(expected)
-    errs = [float(jnp.max(jnp.abs(actual[p] - expected[p])) / jnp.max(jnp.abs(expected[p])))
-            for p in expected]
+    errs = []
+    for p in expected:
+        a, e = np.asarray(actual[p]), np.asarray(expected[p])
+        errs.append(float(np.max(np.abs(a - e)) / np.max(np.abs(e))))
     return max(errs)
 
 
 @functools.partial(nnx.jit, static_argnums=0)
-def _reference_norms_B(loss_fn, model, batch):
-    """Per-example gradient norms (B,) of the vmap reference, in one compiled call (eagerly it is
-    thousands of dispatches); one compile per model structure, batch shape and loss."""
-    _, norms = jaxdp.reference.dp_sgd_sum(loss_fn, model, batch, 1.0)
-    return norms["all"]
+def reference_grads(loss_fn, model, batch):
+    """(losses (B,), {path: per-example gradients (B, ...)}) of the vmap reference, jitted: one compile
+    per loss, model structure and batch shape, shared by every test (and test file) that asks for it."""
+    return jaxdp.reference.per_example_grads(loss_fn, model, batch)
+
+
+def clip_between(ref_grads):
+    """A C strictly between the smallest and largest non-zero per-example norm of `{path: (B, ...)}`
+    per-example gradients (on the host: no second compile of the reference for its norms)."""
+    sq = sum(np.sum(np.square(np.asarray(g, np.float64).reshape(g.shape[0], -1)), axis=1)
+             for g in ref_grads.values())
+    n = np.sort(np.sqrt(sq[sq > 0]))
+    assert n[0] < n[-1], n
+    return float(np.sqrt(n[0] * n[-1]))
 
 
 def first_updates_fn(loss_fn, txs, **grads_kwargs):
@@ -66,10 +80,3 @@ def first_updates_fn(loss_fn, txs, **grads_kwargs):
         return [tx.update(grads, tx.init(params), params)[0] for tx in txs]
 
     return all_updates
-
-
-def clip_between_norms(loss_fn, model, batch):
-    """A C strictly between the smallest and largest non-zero per-example norm."""
-    n = np.asarray(_reference_norms_B(loss_fn, model, batch))
-    n = np.sort(n[n > 0])
-    return float(np.sqrt(n[0] * n[-1]))

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 import jaxdp
-from dp_testing import (by_path, clip_between_norms, first_updates_fn, lm_batch, lm_loss, max_rel_err,
-                        tiny_gpt2)
+from dp_testing import (by_path, clip_between, first_updates_fn, lm_batch, lm_loss, max_rel_err,
+                        reference_grads, tiny_gpt2)
 
 EXPECTED_BATCH_SIZE = 5.0
 RTOL = 1e-5  # float32, highest matmul precision
@@ -30,9 +30,8 @@ def setup_with_reference(remat):
     """model, batch, C and the vmap reference's (losses, {path: per-example grads}), jitted (one compile)."""
     model = tiny_gpt2(seed=11, remat=remat)
     batch = lm_batch(seed=12)
-    C = clip_between_norms(lm_loss, model, batch)
-    reference = nnx.jit(lambda m, b: jaxdp.reference.per_example_grads(lm_loss, m, b))(model, batch)
-    return model, batch, C, reference
+    reference = reference_grads(lm_loss, model, batch)
+    return model, batch, clip_between(reference[1]), reference
 
 
 def setup(remat):
@@ -72,19 +71,20 @@ ALL_CONFIGS = [(clipping, clip_fn, strategy) for clipping in CLIPPINGS
 STORE_CONFIGS = [(clipping, clip_fn, "store") for clipping in CLIPPINGS for clip_fn in ("abadi", "automatic")]
 
 
-@pytest.mark.parametrize("chunk_size", [8, 4], ids=["vmap", "chunked"])
 @pytest.mark.parametrize("remat", [False, True], ids=["no_remat", "remat"])
-def test_jit_equals_reference(remat, chunk_size):
-    """Every clipping x clip_fn x strategy inside one jitted function (one compile)."""
+def test_jit_equals_reference(remat):
+    """Every clipping x clip_fn x strategy, per-example (chunk_size 8 >= B: one vmap) and chunked
+    (chunk_size 4), inside one jitted function (one compile: the per-example gradients are shared)."""
     model, batch, C, _ = setup(remat)
-    configs = ALL_CONFIGS + (STORE_CONFIGS if not remat and chunk_size == 8 else [])
+    configs = [(c, f, s, chunk_size) for chunk_size in (8, 4) for c, f, s in ALL_CONFIGS]
+    configs += [] if remat else [(c, f, s, 8) for c, f, s in STORE_CONFIGS]
     txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=CLIPPINGS[c],
-                            clip_fn=f, strategy=s, chunk_size=chunk_size) for c, f, s in configs]
+                            clip_fn=f, strategy=s, chunk_size=chunk_size) for c, f, s, chunk_size in configs]
     all_updates = first_updates_fn(lm_loss, txs)
 
-    for (clipping, clip_fn, strategy), updates in zip(configs, all_updates(model, batch)):
+    for (clipping, clip_fn, strategy, chunk_size), updates in zip(configs, all_updates(model, batch)):
         err = max_rel_err(updates, expected_update(remat, clipping, clip_fn))
-        assert err <= RTOL, (clipping, clip_fn, strategy, err)
+        assert err <= RTOL, (clipping, clip_fn, strategy, chunk_size, err)
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["no_remat", "remat"])
@@ -184,7 +184,7 @@ def test_plain_per_example_arrays():
 def test_planted_error_is_caught(monkeypatch):
     """Dropping the tied-embedding cross term must break reference equality."""
     from jaxdp import norms as norms_lib
-    model, batch, C, _ = setup(False)
+    _, _, C, ref_grads = setup(False)
     _, grads = eager_grads(False)
     original = norms_lib.squared_norms
 
@@ -193,6 +193,6 @@ def test_planted_error_is_caught(monkeypatch):
 
     monkeypatch.setattr(norms_lib, "squared_norms", without_cross_terms)
     _, norms = jaxdp.clipped_aggregate(grads, C)
-    _, ref_norms = jaxdp.reference.dp_sgd_sum(lm_loss, model, batch, C)
+    _, ref_norms = jaxdp.reference.clipped_sum(ref_grads, C)  # the vmap reference's (jitted in setup)
     rel = jnp.abs(norms["all"] - ref_norms["all"])[:-1] / ref_norms["all"][:-1]
     assert float(jnp.max(rel)) > 100 * RTOL

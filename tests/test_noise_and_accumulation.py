@@ -10,18 +10,22 @@ import pytest
 from flax import nnx
 
 import jaxdp
-from dp_testing import by_path, clip_between_norms, lm_batch, lm_loss, max_rel_err, tiny_gpt2
+from dp_testing import by_path, clip_between, lm_batch, lm_loss, max_rel_err, reference_grads, tiny_gpt2
 
 SIGMA = 1.3
 EBS = 5.0
+
+
+# Per-example gradients for every test here: one compile per batch shape (full batch, micro-batch).
+grads_fn = nnx.jit(jaxdp.per_example_grads(lm_loss))
 
 
 @functools.lru_cache(maxsize=None)
 def setup():
     model = tiny_gpt2(seed=21)
     batch = lm_batch(seed=22)
-    C = clip_between_norms(lm_loss, model, batch)
-    _, grads = nnx.jit(jaxdp.per_example_grads(lm_loss))(model, batch)
+    C = clip_between(reference_grads(lm_loss, model, batch)[1])
+    _, grads = grads_fn(model, batch)
     return model, batch, C, grads
 
 
@@ -39,9 +43,22 @@ def test_noise_std_is_sigma_c(clipping):
     params = nnx.state(model, nnx.Param)
     noisy = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=clipping, key=jax.random.key(5))
     clean = jaxdp.fused_clip(C, 0.0, expected_batch_size=EBS, clipping=clipping)
-    update = jax.jit(noisy.update)
-    u_noisy, state = update(grads, noisy.init(params), params)
-    u_clean, _ = jax.jit(clean.update)(grads, clean.init(params), params)
+    other = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=clipping, key=jax.random.key(6))
+    clean_state, other_state = clean.init(params), other.init(params)
+
+    @jax.jit
+    def updates(grads, noisy_state, clean_state, other_state, params):
+        """(noisy update, its next state, the clean update, the update of `other`): one compile."""
+        u_noisy, state = noisy.update(grads, noisy_state, params)
+        u_clean, _ = clean.update(grads, clean_state, params)
+        u_other, _ = other.update(grads, other_state, params)
+        return u_noisy, state, u_clean, u_other
+
+    def update(grads, state, params):  # noisy.update, jitted
+        u_noisy, state, _, _ = updates(grads, state, clean_state, other_state, params)
+        return u_noisy, state
+
+    u_noisy, state, u_clean, u_other = updates(grads, noisy.init(params), clean_state, other_state, params)
     noise1 = (flat(u_noisy) - flat(u_clean)) * EBS
     n = noise1.size
     # The sample std of n normals has relative sd 1/sqrt(2n) (~0.2% here); 3% is the spec.
@@ -56,8 +73,6 @@ def test_noise_std_is_sigma_c(clipping):
     # The same key reproduces; another key does not.
     again, _ = update(grads, noisy.init(params), params)
     np.testing.assert_array_equal(flat(again), flat(u_noisy))
-    other = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=clipping, key=jax.random.key(6))
-    u_other, _ = jax.jit(other.update)(grads, other.init(params), params)
     assert not np.array_equal(flat(u_other), flat(u_noisy))
 
 
@@ -68,7 +83,6 @@ def micro_batches(batch, k):
 def test_accumulation_equals_union_and_optimizer_waits():
     model, batch, C, _ = setup()
     k = 3
-    grads_fn = nnx.jit(jaxdp.per_example_grads(lm_loss))
     params = nnx.state(model, nnx.Param)
     adam = optax.adam(1e-2)
     tx_union = optax.chain(jaxdp.fused_clip(C, 0.0, expected_batch_size=EBS, clipping="per_layer"), adam)
@@ -101,16 +115,18 @@ def test_accumulation_equals_union_and_optimizer_waits():
 def test_accumulation_adds_noise_once():
     model, batch, C, _ = setup()
     k = 3
-    grads_fn = nnx.jit(jaxdp.per_example_grads(lm_loss))
     params = nnx.state(model, nnx.Param)
     noisy = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, accumulation_steps=k)
     clean = jaxdp.fused_clip(C, 0.0, expected_batch_size=EBS, accumulation_steps=k)
     s_noisy, s_clean = noisy.init(params), clean.init(params)
-    noisy_update, clean_update = jax.jit(noisy.update), jax.jit(clean.update)
+
+    @jax.jit
+    def both_updates(grads, s_noisy, s_clean, params):  # one compile for the two transforms
+        return noisy.update(grads, s_noisy, params), clean.update(grads, s_clean, params)
+
     for micro in micro_batches(batch, k):
         _, grads = grads_fn(model, micro)
-        u_noisy, s_noisy = noisy_update(grads, s_noisy, params)
-        u_clean, s_clean = clean_update(grads, s_clean, params)
+        (u_noisy, s_noisy), (u_clean, s_clean) = both_updates(grads, s_noisy, s_clean, params)
     noise = (flat(u_noisy) - flat(u_clean)) * EBS
     assert abs(float(jnp.std(noise)) / (SIGMA * C) - 1) < 0.03  # not sqrt(k) sigma C
 

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import pytest
 from dp_testing import (
     by_path,
-    clip_between_norms,
+    clip_between,
     lm_batch,
     lm_loss,
     max_rel_err,
+    reference_grads,
     tiny_gpt2,
 )
 from flax import nnx
@@ -43,8 +44,8 @@ def test_equals_reference(name):
     model = {"gpt2": lambda: tiny_gpt2(seed=21), "gpt2_remat": lambda: tiny_gpt2(seed=21, remat=True),
              "llama": lambda: tiny_llama(22)}[name]()
     batch = lm_batch(seed=23)
-    C = clip_between_norms(lm_loss, model, batch)
-    _, ref_grads = nnx.jit(lambda m, b: jaxdp.reference.per_example_grads(lm_loss, m, b))(model, batch)
+    _, ref_grads = reference_grads(lm_loss, model, batch)
+    C = clip_between(ref_grads)
     results = all_configs_fn(lm_loss, C)(model, batch)
     for (clip_fn, strategy), (losses, sums, norms) in zip(CONFIGS, results):
         expected, ref_norms = jaxdp.reference.clipped_sum(ref_grads, C, clip_fn=clip_fn)
@@ -59,11 +60,15 @@ def scaled_loss(model, batch):
 
 @functools.cache
 def poisoned_setup():
-    """model, batch, C, and the jitted reference and two-pass sums (one compile each for every poison)."""
+    """model, batch, C, and the reference (jitted per-example gradients, clipped on the host) and jitted
+    two-pass sums (one compile each for every poison)."""
     model = tiny_gpt2(seed=31)
     batch = dict(lm_batch(seed=32), scale=jnp.linspace(0.5, 1.5, 6))
-    C = clip_between_norms(scaled_loss, model, batch)
-    reference = nnx.jit(lambda m, b: jaxdp.reference.dp_sgd_sum(scaled_loss, m, b, C)[0])
+    C = clip_between(reference_grads(scaled_loss, model, batch)[1])
+
+    def reference(model, batch):
+        return jaxdp.reference.clipped_sum(reference_grads(scaled_loss, model, batch)[1], C)[0]
+
     return model, batch, C, reference, nnx.jit(two_pass.two_pass_clipped_sums(scaled_loss, C))
 
 
