@@ -33,13 +33,13 @@ SETUPS = ([("gpt2", (8, 1), z) for z in (0, 1, 2, 3)] + [("llama", (4, 2), z) fo
 SMOKE_SETUPS = [("gpt2", (8, 1), 3), ("llama", (4, 2), 3)]
 
 
-def loss_fn(model, batch):
+def loss_fn(model, batch, seq_axis=None):
     """Per-example mean next-token NLL over the GLOBAL sequence (a shard's share under context parallelism)."""
     import optax
 
     from jaxdp.sharding import context
-    nll = optax.softmax_cross_entropy_with_integer_labels(model(batch["inputs"]), batch["targets"])
-    return context.sequence_mean(nll)
+    logits = model(batch["inputs"], seq_axis=seq_axis)
+    return context.sequence_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), seq_axis)
 
 
 def _model(name: str, vocab_size: int, seq_len: int):

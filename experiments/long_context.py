@@ -93,13 +93,13 @@ def _model(name: str, T: int, dtype: str, remat: str):
     raise ValueError(f"unknown model {name!r}; use gpt2-<preset> or llama-<preset>")
 
 
-def loss_fn(model, batch):
+def loss_fn(model, batch, seq_axis=None):
     """Per-example mean next-token NLL over the GLOBAL sequence (a shard's share under context parallelism)."""
     import optax
 
     from jaxdp.sharding import context
-    nll = optax.softmax_cross_entropy_with_integer_labels(model(batch["inputs"]), batch["targets"])
-    return context.sequence_mean(nll)
+    logits = model(batch["inputs"], seq_axis=seq_axis)
+    return context.sequence_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), seq_axis)
 
 
 def _step(make_model, dp: bool, mesh, B: int, zero_stage: int, dp_method: str):

@@ -50,7 +50,6 @@ import math
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp import nn

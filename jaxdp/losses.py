@@ -30,13 +30,15 @@ def lm_losses(model: nnx.Module, batch) -> jax.Array:
     return jnp.where(batch["mask"], per_example, 0.0)
 
 
-def cp_lm_losses(model: nnx.Module, batch) -> jax.Array:
-    """`lm_losses` on {"inputs", "targets", "mask"}; also correct on a sequence shard (context parallel)."""
-    logits_BTV = model(jnp.maximum(batch["inputs"], 0))
+def cp_lm_losses(model: nnx.Module, batch, seq_axis: str | None = None) -> jax.Array:
+    """`lm_losses` on {"inputs", "targets", "mask"}; with `seq_axis` (the mesh axis sharding the sequence,
+    context parallelism) this shard's share, passing `seq_axis` to the model's call."""
+    inputs_BT = jnp.maximum(batch["inputs"], 0)
+    logits_BTV = model(inputs_BT) if seq_axis is None else model(inputs_BT, seq_axis=seq_axis)
     targets_BT = batch["targets"]
     nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, jnp.maximum(targets_BT, 0))
     valid_BT = targets_BT >= 0
     # This shard's share: its valid targets' NLL over the example's valid targets on all shards.
     per_example = (jnp.where(valid_BT, nll_BT, 0.0).astype(jnp.float32).sum(axis=-1)
-                   / jnp.maximum(context.sequence_count(valid_BT), 1.0))
+                   / jnp.maximum(context.sequence_count(valid_BT, seq_axis), 1.0))
     return jnp.where(batch["mask"], per_example, 0.0)

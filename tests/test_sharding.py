@@ -36,11 +36,11 @@ def adam():
     return optax.adam(LR, eps=1e-3)
 
 
-def cp_loss(model, batch):
-    """Per-example mean NLL over the GLOBAL sequence; correct on a sequence shard too."""
-    logits = model(batch["inputs"])
+def cp_loss(model, batch, seq_axis=None):
+    """Per-example mean NLL over the GLOBAL sequence; this shard's share on a sequence shard."""
+    logits = model(batch["inputs"], seq_axis=seq_axis)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.where(batch["mask"], sharding.context.sequence_mean(nll), 0.0)
+    return jnp.where(batch["mask"], sharding.context.sequence_mean(nll, seq_axis), 0.0)
 
 
 @functools.cache
@@ -145,7 +145,7 @@ def test_cases_cover_the_acceptance_grid():
 
 def assert_zero_layout(step, new_state, out, zero_stage):
     """The layout the ZeRO stage promises: optimizer state, then gradients, then parameters sharded over data."""
-    kernel_specs = [s for p, s in by_path(step.param_specs).items() if p[-1] == "kernel"]
+    kernel_specs = [s for p, s in by_path(step.layout.param_specs).items() if p[-1] == "kernel"]
     mu_specs = [v.sharding.spec for p, v in by_path(new_state.opt_state[0].mu).items() if p[-1] == "kernel"]
     grad_specs = [v.sharding.spec for p, v in by_path(out["grads"]).items() if p[-1] == "kernel"]
     data = sharding.DATA
@@ -206,7 +206,7 @@ def test_noisy_step_under_zero_2_3(name, mesh_shape, zero_stage):
     step, state, new_state, out = sharded(name, mesh_shape, zero_stage, "flat", SIGMA)
     batch = setup(name)[2]
     _, noise_out = step(state, {**batch, "mask": jnp.zeros_like(batch["mask"])})
-    grads, noise_alone, dims = by_path(out["grads"]), by_path(noise_out["grads"]), by_path(step.grad_dims)
+    grads, noise_alone, dims = by_path(out["grads"]), by_path(noise_out["grads"]), by_path(step.layout.grad_dims)
     # grads = (sum + noise) / EBS rounds to float32 at the scale of the noise.
     eps = float(jnp.finfo(jnp.float32).eps)
     sharded_noise = []
@@ -271,6 +271,17 @@ def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match='strategy="pallas".*GPU'):  # CPU: JAX's Pallas interpreter
         sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1), l2_norm_clip=C, noise_multiplier=0.0,
                                expected_batch_size=EBS, strategy="pallas")
+    # Context parallelism hands the loss its sequence axis (no ambient state): a loss that cannot take it is refused.
+    with pytest.raises(ValueError, match="seq_axis"):
+        sharding.ShardedDPStep(lambda model, batch: loss_fn(model, batch), adam(), sharding.make_mesh(2, 4),
+                               l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=EBS)
+    step = sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1), l2_norm_clip=C, noise_multiplier=0.0,
+                                  expected_batch_size=EBS)
+    with pytest.raises(ValueError, match="init"):  # the layout follows the model
+        step.lower(None, setup("gpt2")[2])
+    step.init(setup("gpt2")[0])
+    with pytest.raises(ValueError, match="another model structure"):
+        step.init(setup("llama")[0])
 
 
 @pytest.mark.parametrize("name, mesh_shape, clipping", [("gpt2", (8, 1), "per_layer"), ("gpt2cp", (2, 4), "flat")])

@@ -48,12 +48,14 @@ def resolve(implementation: str, dtype, head_dim: int) -> str:
 
 
 def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, positions_T: jax.Array, *,
-                     implementation: str = "auto") -> jax.Array:
-    """Causal attention (grouped-query when K < N heads); `positions_T` are the queries' global positions."""
-    if context.seq_axis() is None:
+                     implementation: str = "auto", seq_axis: str | None = None) -> jax.Array:
+    """Causal attention (grouped-query when K < N heads); `positions_T` are the queries' global positions.
+
+    `seq_axis`: the mesh axis sharding the sequence (context parallelism), or None."""
+    if seq_axis is None:
         impl = resolve(implementation, q_BTNH.dtype, q_BTNH.shape[-1])
         return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True, implementation=impl)
     # Context parallel: keys / values of every shard, causal on global positions.
-    k_BSKH, v_BSKH = context.gather_sequence(k_BTKH), context.gather_sequence(v_BTKH)
+    k_BSKH, v_BSKH = context.gather_sequence(k_BTKH, seq_axis), context.gather_sequence(v_BTKH, seq_axis)
     mask_TS = positions_T[:, None] >= jnp.arange(k_BSKH.shape[1])[None, :]
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_TS[None, None], implementation="xla")

@@ -6,11 +6,11 @@ attention on GPU, XLA on CPU; `GPT2Config.attention`). Parameters
 are float32; `dtype="bfloat16"` computes in bf16. Every parameter has a
 per-example gradient rule, so `jaxdp.per_example_grads` needs no fallback.
 
-Context parallelism (as `jaxdp.models.llama`): inside
-`jaxdp.sharding.context.sequence_sharded(axis)` the tokens are one shard of
-the sequence; learned positions are offset by the shard's first global
-position, and attention all-gathers keys and values over `axis` with a
-causal mask on global positions. Outside it the model is the plain one.
+Context parallelism (as `jaxdp.models.llama`): called with `seq_axis=axis`
+(inside a shard_map) the tokens are one shard of the sequence; learned
+positions are offset by the shard's first global position, and attention
+all-gathers keys and values over `axis` with a causal mask on global
+positions. With `seq_axis=None` (the default) the model is the plain one.
 """
 
 from __future__ import annotations
@@ -87,12 +87,13 @@ class Attention(nnx.Module):
         self.c_attn = nn.Linear(d, 3 * d, dtype=dtype, rngs=rngs)
         self.c_proj = nn.Linear(d, d, dtype=dtype, kernel_init=proj_init, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_T):
+    def __call__(self, x_BTD, positions_T, seq_axis):
         B, T, D = x_BTD.shape
         H = D // self.n_head
         q, k, v = jnp.split(self.c_attn(x_BTD), 3, axis=-1)
         q_BTNH, k_BTNH, v_BTNH = (a.reshape(B, T, self.n_head, H) for a in (q, k, v))
-        y_BTNH = attention.causal_attention(q_BTNH, k_BTNH, v_BTNH, positions_T, implementation=self.implementation)
+        y_BTNH = attention.causal_attention(q_BTNH, k_BTNH, v_BTNH, positions_T, implementation=self.implementation,
+                                            seq_axis=seq_axis)
         return self.c_proj(y_BTNH.reshape(B, T, D))
 
 
@@ -115,17 +116,23 @@ class Block(nnx.Module):
         self.ln_2 = nn.LayerNorm(config.d_model, epsilon=config.layer_norm_epsilon, dtype=dtype)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_T):
-        x_BTD = x_BTD + self.attn(self.ln_1(x_BTD), positions_T)
+    def __call__(self, x_BTD, positions_T, seq_axis=None):
+        x_BTD = x_BTD + self.attn(self.ln_1(x_BTD), positions_T, seq_axis)
         return x_BTD + self.mlp(self.ln_2(x_BTD))
 
 
-def _apply_block(block, x_BTD, positions_T):
-    return block(x_BTD, positions_T)
+def _block_fn(seq_axis):
+    """`apply(block, x_BTD, positions_T)` with `seq_axis` closed over (nnx.remat takes array arguments only)."""
+    def apply(block, x_BTD, positions_T):
+        return block(x_BTD, positions_T, seq_axis)
+    return apply
 
 
 class GPT2(nnx.Module):
-    """`GPT2(config, rngs=nnx.Rngs(seed))(tokens_BT) -> logits_BTV` (float32 logits)."""
+    """`GPT2(config, rngs=nnx.Rngs(seed))(tokens_BT) -> logits_BTV` (float32 logits).
+
+    `model(tokens_BT, seq_axis=axis)` inside a shard_map: `tokens_BT` is one shard of the sequence over the
+    mesh axis `axis` (context parallelism); None (the default) is the plain model."""
 
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(config.dtype)
@@ -137,26 +144,26 @@ class GPT2(nnx.Module):
         self.ln_f = nn.LayerNorm(config.d_model, epsilon=config.layer_norm_epsilon, dtype=dtype)
         self.soft_prompt = nnx.data(None)  # prompt tuning: a jaxdp.nn.SoftPrompt (jaxdp.finetune.add_soft_prompt)
 
-    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
-        x_BTD, positions_T = self.embed(tokens_BT)
-        apply = remat_block(_apply_block, self.config.remat)
+    def __call__(self, tokens_BT: jax.Array, *, seq_axis: str | None = None) -> jax.Array:
+        x_BTD, positions_T = self.embed(tokens_BT, seq_axis=seq_axis)
+        apply = remat_block(_block_fn(seq_axis), self.config.remat)
         for block in self.blocks:
             x_BTD = apply(block, x_BTD, positions_T)
         return self.logits(x_BTD, tokens_BT.shape[1])
 
-    def embed(self, tokens_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def embed(self, tokens_BT: jax.Array, *, seq_axis: str | None = None) -> tuple[jax.Array, jax.Array]:
         """(the first block's input x_BTD, positions_T): token (after a soft prompt, if any) + position embeddings."""
         B = tokens_BT.shape[0]
         x_BTD = self.wte(tokens_BT)
         if self.soft_prompt is not None:  # learned embeddings before the tokens; their logits are dropped
-            if context.seq_axis() is not None:
+            if seq_axis is not None:
                 raise ValueError("a soft prompt cannot be used with a sequence-sharded (context-parallel) model")
             x_BTD = self.soft_prompt(x_BTD)
         T = x_BTD.shape[1]
-        if context.global_seq_len(T) > self.config.seq_len:
-            raise ValueError(f"sequence length {context.global_seq_len(T)} exceeds "
+        if context.global_seq_len(T, seq_axis) > self.config.seq_len:
+            raise ValueError(f"sequence length {context.global_seq_len(T, seq_axis)} exceeds "
                              f"GPT2Config.seq_len={self.config.seq_len}")
-        positions_T = context.seq_offset(T) + jnp.arange(T)
+        positions_T = context.seq_offset(T, seq_axis) + jnp.arange(T)
         return x_BTD + self.wpe(jnp.broadcast_to(positions_T, (B, T))), positions_T
 
     def logits(self, x_BTD: jax.Array, num_tokens: int) -> jax.Array:

@@ -9,10 +9,11 @@ The output head is a separate `jaxdp.nn.Linear` (untied) unless
 embedding's `attend` is the head. Every parameter has a per-example gradient
 rule, so `jaxdp.per_example_grads` needs no fallback.
 
-Context parallelism: inside `jaxdp.sharding.context.sequence_sharded(axis)`
-(set up by the sharded train step) the tokens are one shard of the sequence;
-positions are offset by the shard index, and attention all-gathers keys and
-values over `axis` with a causal mask on global positions.
+Context parallelism: called with `seq_axis=axis` (inside a shard_map; the
+sharded train step's loss passes it) the tokens are one shard of the
+sequence; positions are offset by the shard index, and attention
+all-gathers keys and values over `axis` with a causal mask on global
+positions. With `seq_axis=None` (the default) the model is the plain one.
 """
 
 from __future__ import annotations
@@ -137,12 +138,13 @@ class Attention(nnx.Module):
         self.o_proj = nn.Linear(config.n_head * H, d, use_bias=False, dtype=dtype, rngs=rngs,
                                 kernel_init=nnx.initializers.normal(0.02 / math.sqrt(2 * config.n_layer)))
 
-    def __call__(self, x_BTD, positions_T, inv_freq):
+    def __call__(self, x_BTD, positions_T, inv_freq, seq_axis):
         B, T, _ = x_BTD.shape
         q_BTNH = apply_rope(self.q_proj(x_BTD).reshape(B, T, self.n_head, self.head_dim), positions_T, inv_freq)
         k_BTKH = apply_rope(self.k_proj(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim), positions_T, inv_freq)
         v_BTKH = self.v_proj(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
-        y_BTNH = attention.causal_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, implementation=self.implementation)
+        y_BTNH = attention.causal_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, implementation=self.implementation,
+                                            seq_axis=seq_axis)
         return self.o_proj(y_BTNH.reshape(B, T, self.n_head * self.head_dim))
 
 
@@ -168,17 +170,23 @@ class Block(nnx.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.d_model, epsilon=config.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_T, inv_freq):
-        x_BTD = x_BTD + self.attn(self.input_layernorm(x_BTD), positions_T, inv_freq)
+    def __call__(self, x_BTD, positions_T, inv_freq, seq_axis=None):
+        x_BTD = x_BTD + self.attn(self.input_layernorm(x_BTD), positions_T, inv_freq, seq_axis)
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 
 
-def _apply_block(block, x_BTD, positions_T, inv_freq):
-    return block(x_BTD, positions_T, inv_freq)
+def _block_fn(seq_axis):
+    """`apply(block, x_BTD, positions_T, inv_freq)` with `seq_axis` closed over (nnx.remat takes array arguments only)."""
+    def apply(block, x_BTD, positions_T, inv_freq):
+        return block(x_BTD, positions_T, inv_freq, seq_axis)
+    return apply
 
 
 class Llama(nnx.Module):
-    """`Llama(config, rngs=nnx.Rngs(seed))(tokens_BT) -> logits_BTV` (float32 logits)."""
+    """`Llama(config, rngs=nnx.Rngs(seed))(tokens_BT) -> logits_BTV` (float32 logits).
+
+    `model(tokens_BT, seq_axis=axis)` inside a shard_map: `tokens_BT` is one shard of the sequence over the
+    mesh axis `axis` (context parallelism); None (the default) is the plain model."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(config.dtype)
@@ -189,15 +197,15 @@ class Llama(nnx.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(
             config.d_model, config.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+    def __call__(self, tokens_BT: jax.Array, *, seq_axis: str | None = None) -> jax.Array:
         _, T = tokens_BT.shape
-        if context.global_seq_len(T) > self.config.seq_len:
-            raise ValueError(f"sequence length {context.global_seq_len(T)} exceeds "
+        if context.global_seq_len(T, seq_axis) > self.config.seq_len:
+            raise ValueError(f"sequence length {context.global_seq_len(T, seq_axis)} exceeds "
                              f"LlamaConfig.seq_len={self.config.seq_len}")
-        positions_T = context.seq_offset(T) + jnp.arange(T)
+        positions_T = context.seq_offset(T, seq_axis) + jnp.arange(T)
         inv_freq = rope_frequencies(self.config)
         x_BTD = self.embed_tokens(tokens_BT)
-        apply = remat_block(_apply_block, self.config.remat)
+        apply = remat_block(_block_fn(seq_axis), self.config.remat)
         for block in self.blocks:
             x_BTD = apply(block, x_BTD, positions_T, inv_freq)
         h_BTD = self.norm(x_BTD)

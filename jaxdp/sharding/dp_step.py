@@ -52,6 +52,7 @@ measures it).
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -67,7 +68,7 @@ from jaxdp import noise as noise_lib
 from jaxdp import norms as norms_lib
 from jaxdp.fused_clip import clipped_aggregate
 from jaxdp.per_example import per_example_grads
-from jaxdp.sharding import context, context_parallel
+from jaxdp.sharding import context_parallel
 from jaxdp.two_pass import two_pass_clipped_sums, weighted_loss_grad
 from jaxdp.sharding.mesh import DATA, SEQ, param_dims, spec_for
 
@@ -93,6 +94,51 @@ class ShardedDPState(NamedTuple):
     noise_key: jax.Array
 
 
+class Layout(NamedTuple):
+    """Where a model's state lives on the mesh under a ZeRO stage (`layout_for`)."""
+    graphdef: Any            # the model's structure (nnx.GraphDef)
+    dims: Any                # per parameter: the dimension ZeRO shards over `data` (-1: replicated)
+    grad_dims: Any           # the same for the gradients (sharded from ZeRO-2 on)
+    param_specs: Any         # PartitionSpecs of the parameters (sharded under ZeRO-3)
+    grad_specs: Any
+    state_shardings: ShardedDPState
+
+
+def _named(mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def layout_for(model, tx: optax.GradientTransformation, mesh, zero_stage: int) -> Layout:
+    """The layout of `model`'s parameters, gradients and `tx`'s state on `mesh` under `zero_stage`."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    zero_shards = mesh.shape[DATA] if zero_stage >= 1 else 1
+    dims = param_dims(params, zero_shards)
+    replicated = jax.tree.map(lambda _: -1, dims)
+    opt_shapes = jax.eval_shape(tx.init, params)
+    opt_dims = optax.tree_map_params(tx, lambda _, d: d, opt_shapes, dims, transform_non_params=lambda _: -1)
+    spec = lambda d, a: spec_for(d, np.ndim(a))
+    grad_dims = dims if zero_stage >= 2 else replicated
+    param_specs = jax.tree.map(spec, dims if zero_stage >= 3 else replicated, params)
+    grad_specs = jax.tree.map(spec, grad_dims, params)
+    opt_specs = jax.tree.map(spec, opt_dims, opt_shapes)
+    state_shardings = ShardedDPState(
+        _named(mesh, param_specs), jax.tree.map(lambda _: NamedSharding(mesh, P()), rest),
+        _named(mesh, opt_specs), NamedSharding(mesh, P()))
+    return Layout(graphdef, dims, grad_dims, param_specs, grad_specs, state_shardings)
+
+
+def _check_takes_seq_axis(loss_fn: Callable) -> None:
+    """Context parallelism calls `loss_fn(model, batch, seq_axis=...)`: refuse a loss that cannot take it."""
+    try:
+        inspect.signature(loss_fn).bind(None, None, seq_axis=None)
+    except TypeError:
+        raise ValueError("on a mesh with seq > 1 (context parallelism) loss_fn must accept a `seq_axis` keyword "
+                         "and pass it to the model's call, as jaxdp.losses.cp_lm_losses does; got "
+                         f"{getattr(loss_fn, '__name__', loss_fn)!r}") from None
+    except ValueError:  # no signature to inspect (a builtin): let the call decide
+        pass
+
+
 class ShardedDPStep:
     """`step = ShardedDPStep(...)`; `state = step.init(model)`; `state, out = step(state, batch)`.
 
@@ -108,6 +154,16 @@ class ShardedDPStep:
 
     `key`: the noise PRNG key of `init`'s state; None (the default) draws one
     from the operating system's entropy (`jaxdp.noise.secret_key`).
+
+    `loss_fn(model, batch) -> losses (B,)`. On a mesh with seq > 1 (context
+    parallelism) the step calls `loss_fn(model, batch, seq_axis=SEQ)` on each
+    device's slice of the tokens: the loss passes `seq_axis` to the model's
+    call and returns this shard's share of each example's loss
+    (`jaxdp.losses.cp_lm_losses` does both).
+
+    `init(model)` fixes the layout (`self.layout`: which dimension of each
+    parameter ZeRO shards, and the shardings of the state); a step built for
+    one model structure refuses another's.
     """
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh, *,
@@ -142,37 +198,34 @@ class ShardedDPStep:
                                 group_weights=group_weights, chunk_size=chunk_size)
         self.l2_norm_clip = l2_norm_clip
         self.num_data, self.num_seq = mesh.shape[DATA], mesh.shape[SEQ]
-        self._compiled = None
+        if self.num_seq > 1:
+            _check_takes_seq_axis(loss_fn)
+        self.cp_axis = SEQ if self.num_seq > 1 else None
+        self.layout: Layout | None = None
+        self._compiled = {}  # batch structure -> jitted step
 
     # Layout.
 
-    def _layout(self, model):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        zero_shards = self.num_data if self.zero_stage >= 1 else 1
-        dims = param_dims(params, zero_shards)
-        opt_shapes = jax.eval_shape(self.tx.init, params)
-        opt_dims = optax.tree_map_params(self.tx, lambda _, d: d, opt_shapes, dims,
-                                         transform_non_params=lambda _: -1)
-        spec = lambda d, a: spec_for(d, np.ndim(a))
-        self.graphdef = graphdef
-        self.dims = dims
-        self.grad_dims = dims if self.zero_stage >= 2 else jax.tree.map(lambda _: -1, dims)
-        self.param_dims = dims if self.zero_stage >= 3 else jax.tree.map(lambda _: -1, dims)
-        self.param_specs = jax.tree.map(spec, self.param_dims, params)
-        self.grad_specs = jax.tree.map(spec, self.grad_dims, params)
-        self.opt_specs = jax.tree.map(spec, opt_dims, opt_shapes)
-        named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
-                                           is_leaf=lambda x: isinstance(x, P))
-        self.state_shardings = ShardedDPState(
-            named(self.param_specs), jax.tree.map(lambda _: NamedSharding(self.mesh, P()), rest),
-            named(self.opt_specs), NamedSharding(self.mesh, P()))
-        return params, rest
-
     def init(self, model) -> ShardedDPState:
-        params, rest = self._layout(model)
-        opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
+        """The step's state for `model` (parameters, optimizer state and noise key, placed on the mesh)."""
+        layout = layout_for(model, self.tx, self.mesh, self.zero_stage)
+        if self.layout is not None and layout.graphdef != self.layout.graphdef:
+            raise ValueError("ShardedDPStep.init: this step was built for another model structure; "
+                             "build one ShardedDPStep per model")
+        self.layout = layout
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        opt_state = jax.jit(self.tx.init, out_shardings=layout.state_shardings.opt_state)(params)
         state = ShardedDPState(params, rest, opt_state, self.key)
-        return jax.device_put(state, self.state_shardings)
+        return jax.device_put(state, layout.state_shardings)
+
+    @property
+    def state_shardings(self) -> ShardedDPState:
+        return self._layout().state_shardings
+
+    def _layout(self) -> Layout:
+        if self.layout is None:
+            raise ValueError("call ShardedDPStep.init(model) before stepping: the layout follows the model")
+        return self.layout
 
     def update_model(self, model, state: ShardedDPState) -> None:
         nnx.update(model, jax.device_get(state.params))
@@ -184,22 +237,22 @@ class ShardedDPStep:
             return P(DATA, SEQ)
         return P(DATA)
 
-    def _local(self, params, rest, batch, leaf_keys):
+    def _local(self, layout: Layout, params, rest, batch, leaf_keys):
         """Per device: gradient sums, then sums over the mesh and noise (inside shard_map)."""
         if self.zero_stage >= 3:
             params = jax.tree.map(
                 lambda p, d: p if d < 0 else jax.lax.all_gather(p, DATA, axis=d, tiled=True),
-                params, self.dims)
-        cp_axis = SEQ if self.num_seq > 1 else None
-        with context.sequence_sharded(cp_axis):
-            if self.private:
-                losses, sums = self._clipped_sums(params, rest, batch, cp_axis)
-            else:
-                losses, sums = self._loss_grad(params, rest, batch, cp_axis)
-            if cp_axis is not None:
-                losses = jax.lax.psum(losses, SEQ)
+                params, layout.dims)
+        cp_axis = self.cp_axis
+        loss_fn = self.loss_fn if cp_axis is None else functools.partial(self.loss_fn, seq_axis=cp_axis)
+        if self.private:
+            losses, sums = self._clipped_sums(loss_fn, layout.graphdef, params, rest, batch)
+        else:
+            losses, sums = self._loss_grad(loss_fn, layout.graphdef, params, rest, batch)
+        if cp_axis is not None:
+            losses = jax.lax.psum(losses, SEQ)
         leaves, treedef = jax.tree.flatten(sums)
-        dims = jax.tree.leaves(self.grad_dims)
+        dims = jax.tree.leaves(layout.grad_dims)
         reduced, shards = [], []
         for s, d in zip(leaves, dims):
             if d < 0:  # one all-reduce over the whole mesh
@@ -215,50 +268,52 @@ class ShardedDPStep:
         out = [s / self.expected_batch_size for s in reduced]
         return losses, jax.tree.unflatten(treedef, out)
 
-    def _clipped_sums(self, params, rest, batch, cp_axis):
+    def _clipped_sums(self, loss_fn, graphdef, params, rest, batch):
         """DP: per-example losses and this device's share of the clipped per-example gradient sums."""
-        model = nnx.merge(self.graphdef, params, rest)
+        model = nnx.merge(graphdef, params, rest)
         kw = self.clip_kwargs
-        norms_fn = None if cp_axis is None else functools.partial(
+        norms_fn = None if self.cp_axis is None else functools.partial(
             context_parallel.squared_norms, axis=SEQ, strategy=kw["strategy"], chunk_size=kw["chunk_size"])
         if self.method == "two_pass":
             losses, sums, _ = two_pass_clipped_sums(
-                self.loss_fn, self.l2_norm_clip, clip_fn=kw["clip_fn"], gamma=kw["gamma"], strategy=kw["strategy"],
+                loss_fn, self.l2_norm_clip, clip_fn=kw["clip_fn"], gamma=kw["gamma"], strategy=kw["strategy"],
                 chunk_size=kw["chunk_size"], squared_norms_fn=norms_fn)(model, batch)
             return losses, sums
-        losses, grads = per_example_grads(self.loss_fn)(model, batch)
+        losses, grads = per_example_grads(loss_fn)(model, batch)
         sums, _ = clipped_aggregate(grads, self.l2_norm_clip, squared_norms_fn=norms_fn, **kw)
         return losses, sums
 
-    def _loss_grad(self, params, rest, batch, cp_axis):
+    def _loss_grad(self, loss_fn, graphdef, params, rest, batch):
         """Non-DP: per-example losses and this device's partial gradient of their sum (one backward)."""
-        axes = (DATA, SEQ) if cp_axis is not None else (DATA,)
-        grads, losses = weighted_loss_grad(self.loss_fn, self.graphdef, params, rest, batch, axes)
+        axes = (DATA, SEQ) if self.cp_axis is not None else (DATA,)
+        grads, losses = weighted_loss_grad(loss_fn, graphdef, params, rest, batch, axes)
         return losses, grads
 
-    def _step(self, state: ShardedDPState, batch):
+    def _step(self, layout: Layout, state: ShardedDPState, batch):
         num_leaves = len(jax.tree.leaves(state.params))
         key, leaf_keys = noise_lib.split_step_key(state.noise_key, num_leaves)
         batch_specs = jax.tree.map(self.batch_spec, batch)
         local = jax.shard_map(
-            self._local, mesh=self.mesh,
-            in_specs=(self.param_specs, jax.tree.map(lambda _: P(), state.rest), batch_specs,
+            functools.partial(self._local, layout), mesh=self.mesh,
+            in_specs=(layout.param_specs, jax.tree.map(lambda _: P(), state.rest), batch_specs,
                       [P()] * num_leaves),
-            out_specs=(P(DATA), self.grad_specs), check_vma=True)
+            out_specs=(P(DATA), layout.grad_specs), check_vma=True)
         losses, grads = local(state.params, state.rest, batch, leaf_keys)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         return ShardedDPState(params, state.rest, opt_state, key), {"losses": losses, "grads": grads}
 
     def _jit(self, batch):
-        if self._compiled is None:
-            named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
-                                               is_leaf=lambda x: isinstance(x, P))
-            batch_shardings = jax.tree.map(lambda a: NamedSharding(self.mesh, self.batch_spec(a)), batch)
-            out = {"losses": NamedSharding(self.mesh, P(DATA)), "grads": named(self.grad_specs)}
-            self._compiled = jax.jit(self._step, in_shardings=(self.state_shardings, batch_shardings),
-                                     out_shardings=(self.state_shardings, out))
-        return self._compiled
+        """The jitted step for batches of `batch`'s structure (each leaf's sharding follows its rank)."""
+        layout = self._layout()
+        batch_shardings = jax.tree.map(lambda a: NamedSharding(self.mesh, self.batch_spec(a)), batch)
+        cache_key = jax.tree.structure(batch_shardings), tuple(jax.tree.leaves(batch_shardings))
+        if cache_key not in self._compiled:
+            out = {"losses": NamedSharding(self.mesh, P(DATA)), "grads": _named(self.mesh, layout.grad_specs)}
+            self._compiled[cache_key] = jax.jit(
+                functools.partial(self._step, layout), in_shardings=(layout.state_shardings, batch_shardings),
+                out_shardings=(layout.state_shardings, out))
+        return self._compiled[cache_key]
 
     def __call__(self, state: ShardedDPState, batch):
         return self._jit(batch)(state, batch)

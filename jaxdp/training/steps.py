@@ -178,10 +178,11 @@ class ShardedTrainer:
         self.load()
 
     def _adam_variables(self):
-        """The adamw state's Variables in the nnx.Optimizer (the chain's states after fused_clip's), in the
-        leaf order of the sharded opt_state."""
-        _, *inner = self.optimizer.opt_state  # optax.chain(fused_clip, adamw): see _make_tx
-        return jax.tree.leaves(inner, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        """The nnx.Optimizer's state Variables other than fused_clip's (the adamw state the sharded step's
+        optimizer holds), in the leaf order of the sharded opt_state."""
+        leaves = jax.tree.leaves(self.optimizer.opt_state,
+                                 is_leaf=lambda v: isinstance(v, (FusedClipState, nnx.Variable)))
+        return [v for v in leaves if not isinstance(v, FusedClipState)]
 
     def load(self):
         state = self.step.init(self.model)
@@ -200,12 +201,13 @@ class ShardedTrainer:
             var.set_value(jnp.asarray(value))
         noise_key_variable(self.optimizer).set_value(state.noise_key)
 
-    def __call__(self, batch) -> float:
+    def __call__(self, batch) -> jax.Array:
+        """One step; the sum of the batch's losses, left on the device (the loop reads it at log time)."""
         tokens = batch["tokens"]
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": batch["mask"]}
         self.state, out = self.step(self.state, batch)
         self.optimizer.step.set_value(self.optimizer.step.get_value() + 1)
-        return float(out["losses"].sum())
+        return out["losses"].sum()
 
 
 # ------------------------------------------------------------------ evaluation
