@@ -4,6 +4,7 @@
     python -m experiments.audit --config.audit.kind=white_box     # gradient canaries (CI-sized, seconds)
     python -m experiments.audit --config.audit.kind=white_box --config.audit.bug=no_clipping
     python -m experiments.audit --config.audit.max_windows=1024 --config.dp.noise_multiplier=0
+    python -m experiments.audit --config.audit.record_in=/tmp/jaxdp_run   # bound into the run's privacy.json
 
 Black box: m random-token sequences, each added to the default config's
 training windows with probability 1/2; one DP-Adam run of `config.steps`
@@ -93,6 +94,14 @@ def main(argv):
         f"  verdict          {verdict}",
         f"  time             {time.time() - start:.1f} s",
     ]), flush=True)
+    if config.audit.record_in is not None:
+        from jaxdp.training import receipt
+        try:
+            receipt.record_audit(config.audit.record_in, result, config.audit.kind)
+        except ValueError as e:
+            print(f"error: config.audit.record_in: {e}", file=sys.stderr)
+            return 2
+        print(f"  recorded in      {os.path.join(config.audit.record_in, receipt.PRIVACY_FILE)}", flush=True)
     return 0
 
 

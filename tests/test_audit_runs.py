@@ -5,6 +5,9 @@ m = 2000 gradient canaries: without noise, or with clipping skipped, the audit's
 bound exceeds the claim; with the correct step it does not.
 """
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -13,6 +16,7 @@ from flax import nnx
 from jaxdp import accounting
 from jaxdp import audit_runs
 from jaxdp import nn
+from jaxdp.training import receipt
 
 CLAIM = 2.0
 
@@ -92,3 +96,20 @@ def test_black_box_audit_scores_loss_drops():
 def test_errors_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         audit_runs.white_box_audit(**kwargs)
+
+
+def test_audit_is_recorded_in_the_receipt(correct, sigma, tmp_path):
+    """The lower bound goes into a DP run's privacy.json; a planted-bug audit or a non-DP receipt is refused."""
+    receipt.write_privacy_receipt(tmp_path, {"dp": True, "epsilon": 1.5, "audit_lower_bound": None})
+    receipt.record_audit(tmp_path, correct, "white_box")
+    written = json.loads((tmp_path / receipt.PRIVACY_FILE).read_text())
+    assert written["audit_lower_bound"] == correct.audit.epsilon and written["epsilon"] == 1.5
+    assert written["audit"]["claimed_epsilon"] == pytest.approx(CLAIM, rel=1e-3)
+    assert written["audit"]["kind"] == "white_box" and written["audit"]["num_canaries"] == 2000
+    with pytest.raises(ValueError, match="planted bug"):
+        receipt.record_audit(tmp_path, dataclasses.replace(correct, bug="half_noise"), "white_box")
+    receipt.write_privacy_receipt(tmp_path, {"dp": False})
+    with pytest.raises(ValueError, match="non-DP"):
+        receipt.record_audit(tmp_path, correct, "white_box")
+    with pytest.raises(ValueError, match="no privacy.json"):
+        receipt.record_audit(tmp_path / "elsewhere", correct, "white_box")

@@ -22,5 +22,6 @@ def get_config() -> config_dict.ConfigDict:
         c.audit.max_windows = config_dict.placeholder(int)  # black box: first N training windows (None: all)
         c.audit.white_box_steps = 4          # white box: full-batch DP-SGD steps
         c.audit.white_box_examples = 32      # white box: synthetic data records besides the canaries
+        c.audit.record_in = config_dict.placeholder(str)  # a DP run's workdir: its privacy.json gets the bound
     c.lock()
     return c

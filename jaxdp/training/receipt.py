@@ -6,7 +6,8 @@ states the unit and adjacency, the mechanism as it ran (clipping, the
 sensitivity the noise is calibrated to, sigma, normalisation), how batches
 were sampled (Poisson rate, padding, truncation and its slack), the
 accountant and its delta, the epsilon spent, the audit's lower bound when
-one ran, and which outputs of the run lie outside the guarantee.
+one ran (`record_audit`, from `python -m experiments.audit` with
+`config.audit.record_in`), and which outputs of the run lie outside the guarantee.
 
 It holds no secret (no seed, key or loss) and may be shared; like
 `epsilon.png` it gives the sampling rate q = batch_size / N, a hint of N.
@@ -109,3 +110,37 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
 
 def write_privacy_receipt(workdir, receipt: dict) -> None:
     pathlib.Path(workdir, PRIVACY_FILE).write_text(json.dumps(receipt, indent=2) + "\n")
+
+
+def record_audit(workdir, result, kind: str) -> dict:
+    """Writes a one-run audit's lower bound (`jaxdp.audit_runs` result of `kind`) into `workdir`'s receipt.
+
+    The audit is its own run (the same mechanism with canaries, `python -m experiments.audit`), so the
+    receipt keeps both claims apart: `epsilon` is this run's, `audit.claimed_epsilon` the audited run's.
+    A run with a planted bug audits the bug, not this code: it is refused. Returns the new receipt."""
+    path = pathlib.Path(workdir, PRIVACY_FILE)
+    if not path.exists():
+        raise ValueError(f"no {PRIVACY_FILE} in {str(workdir)!r}: record an audit in a DP run's workdir")
+    if result.bug != "none":
+        raise ValueError(f"an audit with a planted bug ({result.bug!r}) audits the bug, not this code: "
+                         "only an audit with bug='none' goes into a receipt")
+    receipt = json.loads(path.read_text())
+    if not receipt.get("dp"):
+        raise ValueError(f"{path} is the receipt of a non-DP run: there is no guarantee to audit")
+    a = result.audit
+    receipt["audit_lower_bound"] = a.epsilon
+    receipt["audit"] = {
+        "kind": kind,
+        "lower_bound": a.epsilon,
+        "confidence": a.confidence,
+        "claimed_epsilon": result.claimed_epsilon,
+        "noise_multiplier": result.noise_multiplier,
+        "sampling_probability": result.sampling_probability,
+        "steps": result.steps,
+        "delta": result.delta,
+        "num_canaries": a.num_canaries,
+        "note": "a separate run of the same DP step with canaries (Steinke, Nasr & Jagielski 2023): a lower "
+                "bound above its claimed_epsilon is evidence of a privacy bug; one below proves nothing",
+    }
+    write_privacy_receipt(workdir, receipt)
+    return receipt
