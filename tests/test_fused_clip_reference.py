@@ -51,33 +51,35 @@ def expected_update(remat, clipping, clip_fn):
     return {p: s / EXPECTED_BATCH_SIZE for p, s in sums.items()}
 
 
-@pytest.mark.parametrize("remat", [False, True], ids=["no_remat", "remat"])
+# chunk_size 8 >= B: one vmap; 4: two chunks. Chunking only regroups examples after the per-example gradients,
+# which is all remat changes: chunked with remat is test_jit_equals_reference's.
+@pytest.mark.parametrize("chunk_size, remat", [(8, False), (4, False), (8, True)],
+                         ids=["vmap-no_remat", "chunked-no_remat", "vmap-remat"])
 @pytest.mark.parametrize("strategy", ["ghost", "instantiate", "auto"])
 @pytest.mark.parametrize("clip_fn", ["abadi", "automatic"])
 @pytest.mark.parametrize("clipping", list(CLIPPINGS))
-def test_eager_equals_reference(clipping, clip_fn, strategy, remat):
+def test_eager_equals_reference(clipping, clip_fn, strategy, chunk_size, remat):
+    """Every clipping x clip_fn x strategy x chunking, eagerly (each op compiled once, shared by all cases)."""
     model, _, C, _ = setup(remat)
     _, grads = eager_grads(remat)
-    tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE,
-                          clipping=CLIPPINGS[clipping], clip_fn=clip_fn, strategy=strategy)
+    tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=CLIPPINGS[clipping],
+                          clip_fn=clip_fn, strategy=strategy, chunk_size=chunk_size)
     params = nnx.state(model, nnx.Param)
     updates, _ = tx.update(grads, tx.init(params), params)
     assert max_rel_err(updates, expected_update(remat, clipping, clip_fn)) <= RTOL
 
 
-ALL_CONFIGS = [(clipping, clip_fn, strategy) for clipping in CLIPPINGS
-               for clip_fn in ("abadi", "automatic") for strategy in ("ghost", "instantiate", "auto")]
+# Under jit (the eager test has every combination): each clipping, clip_fn, strategy and chunking at least once.
+JIT_CONFIGS = [("flat", "abadi", "ghost", 4), ("per_layer", "automatic", "instantiate", 4), ("by_block", "abadi", "auto", 8)]
 # "store" keeps instantiated G_b whole (no chunks), from the same factors with or without remat: one case.
-STORE_CONFIGS = [(clipping, clip_fn, "store") for clipping in CLIPPINGS for clip_fn in ("abadi", "automatic")]
+STORE_CONFIGS = [(clipping, clip_fn, "store", 8) for clipping in CLIPPINGS for clip_fn in ("abadi", "automatic")]
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["no_remat", "remat"])
 def test_jit_equals_reference(remat):
-    """Every clipping x clip_fn x strategy, per-example (chunk_size 8 >= B: one vmap) and chunked
-    (chunk_size 4), inside one jitted function (one compile: the per-example gradients are shared)."""
+    """per_example_grads + fused_clip traced under jit, JIT_CONFIGS (and "store") in one jitted function."""
     model, batch, C, _ = setup(remat)
-    configs = [(c, f, s, chunk_size) for chunk_size in (8, 4) for c, f, s in ALL_CONFIGS]
-    configs += [] if remat else [(c, f, s, 8) for c, f, s in STORE_CONFIGS]
+    configs = JIT_CONFIGS + ([] if remat else STORE_CONFIGS)
     txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=CLIPPINGS[c],
                             clip_fn=f, strategy=s, chunk_size=chunk_size) for c, f, s, chunk_size in configs]
     all_updates = first_updates_fn(lm_loss, txs)
