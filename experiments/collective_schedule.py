@@ -26,6 +26,7 @@ from absl import app, flags
 
 from experiments import long_context
 from jaxdp.sharding import collectives as collectives_lib
+from jaxdp.sharding import longest_context
 
 # The model, mesh, remat, dtype and target flags are long_context's (--models, --seq, --remat, --dtype,
 # --target): every combination gets a table.
@@ -64,9 +65,10 @@ def schedule(model: str, seq: int, T: int, remat: str, dtype: str, target: str |
     from jaxdp.sharding import make_mesh
 
     mesh = make_mesh(1, seq, devices=target_devices(target, seq))
-    step, build = long_context._step(long_context._model(model, T, dtype, remat), private, mesh, 1, 0, method)
+    step, build = longest_context.make_step(longest_context.make_model(model, T, dtype, remat), private, mesh, 1, 0,
+                                            method)
     state = nnx.eval_shape(lambda: step.init(build()))
-    return collective_pairs(step.lower(state, long_context._batch(1, T)).compile().as_text())
+    return collective_pairs(step.lower(state, longest_context.make_batch(1, T)).compile().as_text())
 
 
 def table(rows: dict[str, list[dict]]) -> str:

@@ -1,4 +1,4 @@
-"""experiments/long_context.py: the longest-fit search, and its sweep on 8 fake CPU devices.
+"""jaxdp/sharding/longest_context.py: the longest-fit search, and its sweep on 8 fake CPU devices.
 
 - `longest_fitting` returns a length that fits, and no length two resolution
   steps beyond it fits, for any non-decreasing bytes curve and any start.
@@ -8,7 +8,7 @@
   DP with remat fits at least the context of non-DP without remat on a
   coarse grid (256 or 512 tokens per device). Finer grids show XLA:CPU's
   estimate of DP a few percent short, since it gives remat no credit (see
-  the module docstring). The full sweep is
+  experiments/long_context.py's docstring). The full sweep is
   `python -m experiments.long_context --smoke` (about 15 CPU minutes).
 """
 
@@ -16,8 +16,8 @@ import random
 
 import pytest
 
-from experiments import long_context
 from jaxdp import hlo_cost
+from jaxdp.sharding import longest_context
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -40,7 +40,7 @@ def test_longest_fitting_is_the_longest_fit_to_resolution(seed):
             tried.append(T)
             return bytes_at(T)
 
-        T, nbytes = long_context.longest_fitting(recorded, lo, hi, granularity, budget, start)
+        T, nbytes = longest_context.longest_fitting(recorded, lo, hi, granularity, budget, start)
         assert all(lo <= t <= hi for t in tried)
         fitting = [t for t in range(lo, hi + 1) if bytes_at(t) <= budget]
         if not fitting:
@@ -54,12 +54,12 @@ def test_context_grows_with_seq_degree_and_dp_with_remat_reaches_non_dp():
     # LongShield's comparison, DP with remat vs non-DP without, on 1 and 4 sequence shards: two
     # lengths per device (256, 512 tokens) and a budget between the per-device bytes of T = 256 on
     # one device (<= 10 MiB) and of T = 512 on one device (> 16 MiB); six compiles in all.
-    cfg = dict(long_context.SMOKE_CONFIG, time=False, min_seq_len=256, max_seq_len=512, granularity=1024,
+    cfg = dict(longest_context.SMOKE_CONFIG, time=False, min_seq_len=256, max_seq_len=512, granularity=1024,
                budget_bytes=12 * 2**20)
     variants = ((False, "none"), (True, "full"))
-    rows = [long_context.measure("gpt2-tiny", dp, remat, 1, seq, cfg) for seq in (1, 4) for dp, remat in variants]
+    rows = [longest_context.measure("gpt2-tiny", dp, remat, 1, seq, cfg) for seq in (1, 4) for dp, remat in variants]
 
-    lines = long_context.table(rows).splitlines()
+    lines = longest_context.table(rows).splitlines()
     assert [line.split(" | ")[1:3] for line in lines[2:]] == [
         ["1 x 1", "full"], ["1 x 1", "none"], ["1 x 4", "full"], ["1 x 4", "none"]]
     assert all(r["step_bytes"] <= cfg["budget_bytes"] for r in rows if r["max_seq_len"])

@@ -1,7 +1,7 @@
 """Data and sequence parallel DP on jax.sharding meshes: DP-ZeRO stages 0-3, context parallelism, and the
-collective bytes of the compiled step (`collectives`)."""
+collective bytes of the compiled step (`collectives`), the longest context that fits (`longest_context`)."""
 
-from jaxdp.sharding import collectives, context, context_parallel
+from jaxdp.sharding import collectives, context, context_parallel, longest_context
 from jaxdp.sharding.dp_step import ShardedDPState, ShardedDPStep
 from jaxdp.sharding.mesh import (
     DATA,
@@ -21,6 +21,7 @@ __all__ = [
     "collectives",
     "context",
     "context_parallel",
+    "longest_context",
     "make_mesh",
     "param_specs",
     "shard_dim",
