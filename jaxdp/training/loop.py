@@ -17,6 +17,7 @@ from the checkpoint, see `jaxdp.training.preparation`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -82,119 +83,41 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
       verbose: progress bar and messages on stderr.
     """
     p = prepared or prepare(config, progress=data_lib.stderr_progress if verbose else None)
-    workdir = p.workdir
     if p.seed_pinned:
         log("config.seed is pinned: the privacy guarantee assumes this seed is secret "
             "(it reproduces the noise and the batches)", verbose)
-    # ---- from here on the workdir is written
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / CONFIG_FILE).write_text(json.dumps(p.config_json, indent=2, sort_keys=True) + "\n")
-    if not (workdir / TOKENIZER_DIR / "tokenizer.json").is_file():
-        p.tokenizer.save(workdir / TOKENIZER_DIR)
-
-    dp = config.dp.enabled
-    k = p.accumulation_steps
-    sampler = p.sampler
-    q = sampler.sampling_probability
-    init_seed = p.derive_seed(noise_lib.INIT)
-    model = p.build_model(init_seed) if p.build_model is not None else build_model(p.model_config, init_seed)
-    optimizer = make_optimizer(config, model, noise_multiplier=p.noise_multiplier,
-                               expected_batch_size=config.batch_size,
-                               noise_key=noise_lib.noise_key_from_seed(p.derive_seed(noise_lib.NOISE)),
-                               accumulation_steps=k)
-    tracker = None
-    if dp:
-        tracker = BudgetTracker(p.noise_multiplier, q, p.delta_mechanism,
-                                target_epsilon=config.dp.target_epsilon,
-                                accountant=config.accountant,
-                                value_discretization_interval=p.pld_interval)
-    checkpointer = Checkpointer(workdir / CHECKPOINT_DIR)
-    start = checkpointer.latest_step() or 0
-    rows = read_metrics(workdir)
-    if start:
-        meta = checkpointer.restore(start, model, optimizer)
-        if tracker is not None:
-            tracker = BudgetTracker.from_state_dict(meta["accountant"])
-        log(f"resuming {workdir} from the checkpoint at step {start}", verbose)
-    rows = [r for r in rows if r["step"] <= start]
-    if start == 0:
-        log(f"evaluating the untrained model on {len(p.eval_indices)} validation windows ...", verbose)
-        rows = [{"step": 0, "train_loss": None, "epsilon": 0.0 if dp else None,
-                 "val_loss": evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)}]
-    write_metrics(workdir, rows)
+    _open_run_dir(p)  # from here on the workdir is written
+    model, optimizer, tracker = _build(config, p)
+    checkpointer = Checkpointer(p.workdir / CHECKPOINT_DIR)
+    start, rows, tracker = _restore_or_evaluate(config, p, model, optimizer, tracker, checkpointer, verbose)
     initial_val_loss = rows[0]["val_loss"]
 
     sharded = ShardedTrainer(config, model, optimizer, p.noise_multiplier) if runs_sharded_step(config) else None
-    k_unit = config.privacy.windows_per_unit  # windows per sampled unit (1: the unit is a window)
-    if sharded is None:
-        step_fn = make_train_step(dp, per_example="reference" if config.dp.strategy == "reference" else "jaxdp",
-                                  windows_per_unit=k_unit)
-    else:
-        step_fn = lambda model, optimizer, batch: sharded(batch)
-    progress = Progress(config.steps, verbose, accountant=config.accountant if dp else None)
-    tokens_done, t_first, t_paused, window_losses = 0, None, 0.0, []
-    last_row, tps = rows[-1], 0.0
-    stop_reason = None
-    metrics_f = open(workdir / METRICS_FILE, "a")
+    step_fn = _step_fn(config, sharded)
+    progress = Progress(config.steps, verbose, accountant=config.accountant if config.dp.enabled else None)
+    clock, window_losses, last_row, stop_reason = _Throughput(), [], rows[-1], None
+    metrics_f = open(p.workdir / METRICS_FILE, "a")
     step = start
     try:
         for step in range(start, config.steps):
             if tracker is not None and not tracker.can_step():
-                stop_reason = (f"privacy budget: stopping before step {step + 1}, which would spend "
-                               f"epsilon > target_epsilon = {config.dp.target_epsilon:g} at delta = "
-                               f"{p.delta:.3g} ({p.delta_mechanism:.3g} for the mechanism + the sampling "
-                               f"slack; the budget allows {tracker.max_steps} steps)")
+                stop_reason = _budget_stop_reason(config, p, tracker, step)
                 break
-            indices, mask = sampler.sample(step)
-            if config.privacy.unit != "window":  # units -> k_unit window slots each, a unit per block
-                rng = np.random.default_rng(p.derive_seed(noise_lib.UNIT_WINDOWS, step))
-                indices, mask = p.train.units_to_windows(indices, mask, k_unit, rng)
-            tokens = p.train.get(indices)
-            count = int(mask.sum())  # windows
-            mb = sampler.max_batch_size // k * k_unit  # windows per micro-batch: whole units
-            if t_first is None:
-                log(f"compiling the {'DP' if dp else 'non-DP'} step (micro-batch {mb} windows, {k} per step) ...",
-                    verbose)
-                t_compile = time.perf_counter()
-            micro_losses = []  # device scalars: no host sync per micro-batch, the host runs ahead
-            for j in range(k):
-                batch = {"tokens": tokens[j * mb:(j + 1) * mb], "mask": mask[j * mb:(j + 1) * mb]}
-                if not dp:
-                    batch["divisor"] = np.float32(max(count, 1))
-                micro_losses.append(step_fn(model, optimizer, batch))
-            if tracker is not None:
-                tracker.step()
+            window_losses.append(_logical_step(config, p, step, step_fn, model, optimizer, tracker, clock, verbose))
             n = step + 1
-            window_losses.append((micro_losses, count))
-            if t_first is None:
-                jax.block_until_ready(micro_losses)
-                t_first = time.perf_counter()  # after the first (compiling) step
-                log(f"compiled and ran the first step in {t_first - t_compile:.1f} s", verbose)
-            else:
-                tokens_done += count * config.seq_len
             if sharded is not None and (n % config.log_every == 0 or n == config.steps
                                         or n == interrupt_after):
                 sharded.sync()  # the host-side model / optimizer used by eval and checkpoints
             if n % config.log_every == 0 or n == config.steps:
-                train_loss = float(np.mean([sum(float(x) for x in losses) / max(c, 1)
-                                            for losses, c in window_losses]))  # syncs
-                t_log = time.perf_counter()
-                tps = tokens_done / max(t_log - t_first - t_paused, 1e-9)
-                eps = tracker.epsilon() if tracker is not None else None
-                row = {"step": n, "train_loss": train_loss, "epsilon": eps}
+                last_row = _log_row(config, p, n, model, tracker, window_losses, clock, metrics_f)
+                rows.append(last_row)
                 window_losses = []
-                if n % config.eval_every == 0 or n == config.steps:
-                    row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)
-                rows.append(row)
-                metrics_f.write(json.dumps(row) + "\n")
-                metrics_f.flush()
-                last_row = row
-                t_paused += time.perf_counter() - t_log  # accounting and evaluation are not training time
-            progress.update(n, last_row, tps if tokens_done else None)  # every step; values as last logged
+            # every step; values as last logged
+            progress.update(n, last_row, clock.tokens_per_s if clock.tokens else None)
             if n % config.checkpoint_every == 0 and n != config.steps:
                 t_save = time.perf_counter()
                 checkpointer.save(n, model, optimizer, _meta(n, tracker, p))
-                t_paused += time.perf_counter() - t_save
+                clock.pause_since(t_save)
             if interrupt_after is not None and n >= interrupt_after:
                 progress.close()
                 return {"interrupted_at": n}
@@ -202,34 +125,181 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
             step = config.steps
     finally:
         metrics_f.close()
-    if tokens_done:
-        jax.block_until_ready(nnx.state(model))  # the steps dispatched since the last logged one
-        tps = tokens_done / max(time.perf_counter() - t_first - t_paused, 1e-9)
+    clock.finish(model)
     if sharded is not None:
         sharded.sync()  # the loop may stop between log boundaries (budget): eval, save and samples see the last step
     progress.close()
     last = step if stop_reason else config.steps
     if stop_reason:
         log(stop_reason, verbose)
-        window_losses = []
+    _evaluate_and_save_final(config, p, model, optimizer, tracker, checkpointer, rows, last)
+    summary = _summary(config, p, model, tracker, rows, last, stop_reason, initial_val_loss, clock)
+    _write_outputs(config, p, model, rows, summary, last)
+    return summary
+
+
+@dataclasses.dataclass
+class _Throughput:
+    """Training tokens/s: the steps after the first (compiling) one, over their wall time less the pauses
+    (accounting, evaluation and checkpoints are not training time)."""
+    tokens: int = 0  # tokens of the timed steps
+    t_first: float | None = None  # when the first step finished
+    t_paused: float = 0.0
+    tokens_per_s: float = 0.0  # as last measured
+
+    def measure(self, now: float) -> None:
+        self.tokens_per_s = self.tokens / max(now - self.t_first - self.t_paused, 1e-9)
+
+    def pause_since(self, t: float) -> None:
+        self.t_paused += time.perf_counter() - t
+
+    def finish(self, model) -> None:
+        """The final rate, once the steps dispatched since the last logged one are done."""
+        if self.tokens:
+            jax.block_until_ready(nnx.state(model))
+            self.measure(time.perf_counter())
+
+
+def _open_run_dir(p: Prepared) -> None:
+    """The run directory with the run's config and tokenizer."""
+    workdir = p.workdir
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / CONFIG_FILE).write_text(json.dumps(p.config_json, indent=2, sort_keys=True) + "\n")
+    if not (workdir / TOKENIZER_DIR / "tokenizer.json").is_file():
+        p.tokenizer.save(workdir / TOKENIZER_DIR)
+
+
+def _build(config, p: Prepared):
+    """(model, optimizer, privacy accountant or None for non-DP), each from its own seed."""
+    init_seed = p.derive_seed(noise_lib.INIT)
+    model = p.build_model(init_seed) if p.build_model is not None else build_model(p.model_config, init_seed)
+    optimizer = make_optimizer(config, model, noise_multiplier=p.noise_multiplier,
+                               expected_batch_size=config.batch_size,
+                               noise_key=noise_lib.noise_key_from_seed(p.derive_seed(noise_lib.NOISE)),
+                               accumulation_steps=p.accumulation_steps)
+    tracker = None
+    if config.dp.enabled:
+        tracker = BudgetTracker(p.noise_multiplier, p.sampler.sampling_probability, p.delta_mechanism,
+                                target_epsilon=config.dp.target_epsilon,
+                                accountant=config.accountant,
+                                value_discretization_interval=p.pld_interval)
+    return model, optimizer, tracker
+
+
+def _restore_or_evaluate(config, p: Prepared, model, optimizer, tracker, checkpointer, verbose: bool):
+    """(first step, metrics rows up to it, accountant): the latest checkpoint restored into `model` and
+    `optimizer`, or the untrained model evaluated as step 0; `metrics.jsonl` rewritten to those rows."""
+    start = checkpointer.latest_step() or 0
+    rows = read_metrics(p.workdir)
+    if start:
+        meta = checkpointer.restore(start, model, optimizer)
+        if tracker is not None:
+            tracker = BudgetTracker.from_state_dict(meta["accountant"])
+        log(f"resuming {p.workdir} from the checkpoint at step {start}", verbose)
+    rows = [r for r in rows if r["step"] <= start]
+    if start == 0:
+        log(f"evaluating the untrained model on {len(p.eval_indices)} validation windows ...", verbose)
+        rows = [{"step": 0, "train_loss": None, "epsilon": 0.0 if config.dp.enabled else None,
+                 "val_loss": evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)}]
+    write_metrics(p.workdir, rows)
+    return start, rows, tracker
+
+
+def _step_fn(config, sharded):
+    """(model, optimizer, micro-batch) -> loss sum: the jitted single-device step, or the sharded trainer's."""
+    if sharded is None:
+        return make_train_step(config.dp.enabled,
+                               per_example="reference" if config.dp.strategy == "reference" else "jaxdp",
+                               windows_per_unit=config.privacy.windows_per_unit)
+    return lambda model, optimizer, batch: sharded(batch)
+
+
+def _budget_stop_reason(config, p: Prepared, tracker, step: int) -> str:
+    return (f"privacy budget: stopping before step {step + 1}, which would spend "
+            f"epsilon > target_epsilon = {config.dp.target_epsilon:g} at delta = "
+            f"{p.delta:.3g} ({p.delta_mechanism:.3g} for the mechanism + the sampling "
+            f"slack; the budget allows {tracker.max_steps} steps)")
+
+
+def _logical_step(config, p: Prepared, step: int, step_fn, model, optimizer, tracker, clock: _Throughput,
+                  verbose: bool):
+    """One logical step: the Poisson sample of `step`, its micro-batches, the accountant's step.
+
+    Returns (the micro-batches' losses as device scalars, the windows sampled). The first
+    step of the process compiles: it is timed alone and starts the throughput clock.
+    """
+    dp, k = config.dp.enabled, p.accumulation_steps
+    k_unit = config.privacy.windows_per_unit  # windows per sampled unit (1: the unit is a window)
+    indices, mask = p.sampler.sample(step)
+    if config.privacy.unit != "window":  # units -> k_unit window slots each, a unit per block
+        rng = np.random.default_rng(p.derive_seed(noise_lib.UNIT_WINDOWS, step))
+        indices, mask = p.train.units_to_windows(indices, mask, k_unit, rng)
+    tokens = p.train.get(indices)
+    count = int(mask.sum())  # windows
+    mb = p.sampler.max_batch_size // k * k_unit  # windows per micro-batch: whole units
+    if clock.t_first is None:
+        log(f"compiling the {'DP' if dp else 'non-DP'} step (micro-batch {mb} windows, {k} per step) ...",
+            verbose)
+        t_compile = time.perf_counter()
+    micro_losses = []  # device scalars: no host sync per micro-batch, the host runs ahead
+    for j in range(k):
+        batch = {"tokens": tokens[j * mb:(j + 1) * mb], "mask": mask[j * mb:(j + 1) * mb]}
+        if not dp:
+            batch["divisor"] = np.float32(max(count, 1))
+        micro_losses.append(step_fn(model, optimizer, batch))
+    if tracker is not None:
+        tracker.step()
+    if clock.t_first is None:
+        jax.block_until_ready(micro_losses)
+        clock.t_first = time.perf_counter()  # after the first (compiling) step
+        log(f"compiled and ran the first step in {clock.t_first - t_compile:.1f} s", verbose)
+    else:
+        clock.tokens += count * config.seq_len
+    return micro_losses, count
+
+
+def _log_row(config, p: Prepared, n: int, model, tracker, window_losses, clock: _Throughput, metrics_f) -> dict:
+    """The metrics row of step `n` (train loss over the steps since the last row; validation loss every
+    eval_every steps), appended to `metrics_f`; its time counted as a pause."""
+    train_loss = float(np.mean([sum(float(x) for x in losses) / max(c, 1)
+                                for losses, c in window_losses]))  # syncs
+    t_log = time.perf_counter()
+    clock.measure(t_log)
+    eps = tracker.epsilon() if tracker is not None else None
+    row = {"step": n, "train_loss": train_loss, "epsilon": eps}
+    if n % config.eval_every == 0 or n == config.steps:
+        row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)
+    metrics_f.write(json.dumps(row) + "\n")
+    metrics_f.flush()
+    clock.pause_since(t_log)
+    return row
+
+
+def _evaluate_and_save_final(config, p: Prepared, model, optimizer, tracker, checkpointer, rows, last: int):
+    """The final state evaluated (budget stop, or a run that was already complete) and checkpointed at
+    step `last`, unless it already is."""
     if not rows or rows[-1]["step"] != last or "val_loss" not in rows[-1]:
-        # the final state, evaluated (budget stop, or a run that was already complete)
         row = rows[-1] if rows and rows[-1]["step"] == last else {
             "step": last, "train_loss": None,
             "epsilon": tracker.epsilon() if tracker is not None else None}
         row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)
         if not rows or rows[-1] is not row:
             rows.append(row)
-        write_metrics(workdir, rows)
+        write_metrics(p.workdir, rows)
     if checkpointer.latest_step() != last:
         checkpointer.save(last, model, optimizer, _meta(last, tracker, p))
     checkpointer.close()
 
+
+def _summary(config, p: Prepared, model, tracker, rows, last: int, stop_reason, initial_val_loss,
+             clock: _Throughput) -> dict:
+    """The run's summary.json: losses, the privacy guarantee and how it was sampled, model and throughput."""
+    dp, k, sampler = config.dp.enabled, p.accumulation_steps, p.sampler
     final = rows[-1]
     train_losses = [r["train_loss"] for r in rows if r.get("train_loss") is not None]
     final_train = train_losses[-1] if train_losses else None
-    previous = read_json(workdir / SUMMARY_FILE)
-    summary = {
+    previous = read_json(p.workdir / SUMMARY_FILE)
+    return {
         "steps": last,
         "stop_reason": stop_reason,
         "train_loss": final_train,
@@ -247,7 +317,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         "sampling_slack": p.sampling_slack,
         "overflow_probability": sampler.overflow_probability,
         "noise_multiplier": p.noise_multiplier if dp else None,
-        "sampling_probability": q,
+        "sampling_probability": sampler.sampling_probability,
         "expected_batch_size": config.batch_size,
         "max_batch_size": sampler.max_batch_size,
         "accumulation_steps": k,
@@ -256,23 +326,27 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         "num_train_windows": p.train.num_windows,
         "privacy_unit": config.privacy.unit,
         "num_train_units": sampler.num_examples,  # N of the accountant: windows, documents or users
-        "windows_per_unit": k_unit,
+        "windows_per_unit": config.privacy.windows_per_unit,
         "model": config.model.family,
         "num_params": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
         "tokenizer": p.tokenizer.name,
         "vocab_size": p.tokenizer.vocab_size,
-        "tokens_per_s": tps if tokens_done else (previous or {}).get("tokens_per_s"),
+        "tokens_per_s": clock.tokens_per_s if clock.tokens else (previous or {}).get("tokens_per_s"),
         "overflowed_steps_this_process": sampler.overflow_count,
     }
+
+
+def _write_outputs(config, p: Prepared, model, rows, summary: dict, last: int) -> None:
+    """The summary, the privacy receipt, the plots, the model and the samples, in the run directory."""
+    dp, workdir = config.dp.enabled, p.workdir
     (workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     write_privacy_receipt(workdir, privacy_receipt(config, p, steps=last, epsilon=summary["epsilon"] if dp else None,
-                                                   overflowed_steps=sampler.overflow_count))
+                                                   overflowed_steps=p.sampler.overflow_count))
     write_plots(workdir, rows, target_epsilon=config.dp.target_epsilon if dp else None,
                 accountant=config.accountant if dp else None)
     write_model(workdir / MODEL_DIR, model)
     if config.sample.num > 0:
         write_samples(model, p, config)
-    return summary
 
 
 def _meta(step: int, tracker, p: Prepared) -> dict:
