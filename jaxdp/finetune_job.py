@@ -33,7 +33,7 @@ from flax import nnx
 from ml_collections import config_dict
 
 from jaxdp import data as data_lib
-from jaxdp import finetune, tasks
+from jaxdp import finetune, losses, tasks
 from jaxdp import noise as noise_lib
 from jaxdp.models import hf_gpt2
 from jaxdp.training import config as config_lib
@@ -53,7 +53,8 @@ from jaxdp.training.run_dir import (
 )
 
 FROM_INIT = "init"  # config.model.family / config.data.tokenizer of the finetune config: taken from init
-# config.finetune fields passed to `jaxdp.finetune.prepare` (the others: init, method, accuracy_examples).
+# config.finetune fields passed to `jaxdp.finetune.prepare` (the others: init, method, loss_after,
+# accuracy_examples).
 METHOD_ARGS = ("rank", "alpha", "lora_targets", "bottleneck", "adapter_targets", "train_layer_norms",
                "prompt_length", "side_reduction", "rev_alpha", "rev_beta", "rev_keep_streams_every")
 
@@ -155,6 +156,9 @@ def prepare(config, *, progress=None) -> Prepared:
     if ft.method == "prompt" and resolved.seq_len + ft.prompt_length > resolved.model.max_seq_len:
         raise ConfigError(f"config.seq_len ({resolved.seq_len}) + config.finetune.prompt_length ({ft.prompt_length}) "
                           f"exceeds the model's {resolved.model.max_seq_len} positions")
+    la = ft.loss_after
+    if la is not None and not isinstance(la, str):
+        raise ConfigError(f"config.finetune.loss_after must be a string ('' or None: the whole text), got {la!r}")
     p = preparation.prepare(resolved, progress=progress)
     if kind == "hf" and _hf_vocab(ft.init) != p.tokenizer.vocab_size:
         raise ConfigError(f"config.finetune.init: the checkpoint's vocab_size ({_hf_vocab(ft.init)}) differs from "
@@ -168,7 +172,25 @@ def prepare(config, *, progress=None) -> Prepared:
     def build(seed: int) -> nnx.Module:
         model = _pretrained(ft.init, kind, mc)
         return finetune.prepare(model, ft.method, rngs=nnx.Rngs(noise_lib.key_from_seed(seed)), **kw)
-    return dataclasses.replace(p, build_model=build)
+    loss_fn = _completion_loss(p, la) if la else p.loss_fn
+    return dataclasses.replace(p, build_model=build, loss_fn=loss_fn)
+
+
+def _completion_loss(p: Prepared, loss_after: str):
+    """`jaxdp.losses.completion_losses` of the tokens of `loss_after`; ConfigError when no training window
+    holds them (the job would train on nothing)."""
+    marker = tuple(p.tokenizer.encode(loss_after))
+    windows = p.train.get(np.arange(min(len(p.train), 4096)))
+    m = len(marker)
+    if m <= windows.shape[1]:
+        found = np.zeros(len(windows), bool)
+        for s in range(windows.shape[1] - m + 1):
+            found |= (windows[:, s:s + m] == marker).all(axis=1)
+        if found.any():
+            return losses.completion_losses(marker)
+    raise ConfigError(f"config.finetune.loss_after {loss_after!r} occurs in no training window of "
+                      f"config.data.path (checked {len(windows)}): set it to the text before each label, or to "
+                      "'' to train on the whole text")
 
 
 def _hf_vocab(init: str) -> int:

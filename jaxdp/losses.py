@@ -1,14 +1,21 @@
 """Per-example language-model losses: the `loss_fn` of the DP step.
 
-Both return one loss per window (B,): the mean next-token NLL over the
+Each returns one loss per window (B,): the mean next-token NLL over the
 window's targets, exactly 0 where `batch["mask"]` is False (padding slots),
 so a masked window contributes nothing to any gradient. Windows may end in
 `jaxdp.data.PAD` (a document's padded last window): PAD targets are not
 counted and PAD inputs are read as token 0; they follow every real token,
 so causal attention keeps them out of the real positions.
+
+`completion_losses(marker)` counts only the targets after the last occurrence
+of a token sequence in the window (the label after a prompt: a completion-only
+loss, as in instruction tuning); a window without the marker has no target.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +28,52 @@ from jaxdp.sharding import context
 def lm_losses(model: nnx.Module, batch) -> jax.Array:
     """Per-window mean next-token NLL (B,) of {"tokens" (B, T + 1), "mask" (B,)}."""
     tokens_BT1 = batch["tokens"]
+    return _mean_nll(model, tokens_BT1, batch["mask"], tokens_BT1[:, 1:] >= 0)
+
+
+def completion_losses(marker: Sequence[int]) -> Callable:
+    """The loss `(model, batch) -> (B,)`: per-window mean NLL over the targets after the last occurrence of
+    the token sequence `marker` in the window's tokens (e.g. the encoded prompt before a label); 0 for a
+    window without it. The marker's own tokens and everything before are context only. One function per
+    marker (jitted steps cache on it)."""
+    marker = tuple(int(t) for t in marker)
+    if not marker:
+        raise ValueError("completion_losses: marker must hold at least one token id")
+    return _completion_losses(marker)
+
+
+@functools.lru_cache(maxsize=None)
+def _completion_losses(marker: tuple[int, ...]) -> Callable:
+    def losses(model: nnx.Module, batch) -> jax.Array:
+        tokens_BT1 = batch["tokens"]
+        counted_BT = (tokens_BT1[:, 1:] >= 0) & (_after_last(tokens_BT1, marker)[:, :-1])
+        return _mean_nll(model, tokens_BT1, batch["mask"], counted_BT)
+    losses.__qualname__ = losses.__name__ = f"completion_losses{marker}"
+    return losses
+
+
+def _after_last(tokens_BT1: jax.Array, marker: tuple[int, ...]) -> jax.Array:
+    """(B, T + 1) bool: position j holds the last token of the window's last `marker` or comes later
+    (so the target predicted at j lies after the marker); all False in a window without it."""
+    m, n = len(marker), tokens_BT1.shape[1]
+    if m > n:
+        return jnp.zeros(tokens_BT1.shape, bool)
+    ends = jnp.ones((tokens_BT1.shape[0], n - m + 1), bool)  # ends[:, s]: the marker occupies s .. s + m - 1
+    for k, token in enumerate(marker):
+        ends &= tokens_BT1[:, k:n - m + 1 + k] == token
+    pos = jnp.arange(m - 1, n)
+    last_end_B = jnp.max(jnp.where(ends, pos, -1), axis=1)
+    return (jnp.arange(n)[None, :] >= last_end_B[:, None]) & (last_end_B[:, None] >= 0)
+
+
+def _mean_nll(model: nnx.Module, tokens_BT1: jax.Array, mask_B: jax.Array, counted_BT: jax.Array) -> jax.Array:
+    """Mean NLL over each window's counted targets (0 with none), 0 where `mask_B` is False."""
     targets_BT = tokens_BT1[:, 1:]
     logits_BTV = model(jnp.maximum(tokens_BT1[:, :-1], 0))
     nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, jnp.maximum(targets_BT, 0))
-    valid_BT = targets_BT >= 0
-    per_example = (jnp.where(valid_BT, nll_BT, 0.0).astype(jnp.float32).sum(axis=-1)
-                   / jnp.maximum(valid_BT.sum(axis=-1), 1))
-    return jnp.where(batch["mask"], per_example, 0.0)
+    per_example = (jnp.where(counted_BT, nll_BT, 0.0).astype(jnp.float32).sum(axis=-1)
+                   / jnp.maximum(counted_BT.sum(axis=-1), 1))
+    return jnp.where(mask_B, per_example, 0.0)
 
 
 def cp_lm_losses(model: nnx.Module, batch, seq_axis: str | None = None) -> jax.Array:

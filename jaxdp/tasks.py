@@ -12,7 +12,8 @@ Each becomes one jsonl document `{"text": "<snippet>\\nSentiment: positive", "id
 "score": 1.47, "label": "positive"}` that the training job reads by
 `config.data.path` (one document per snippet: a snippet is a privacy unit of
 `privacy.unit="document"`, and the train / validation split is by a hash of its
-text). The job trains on the whole text by next-token prediction; the accuracy
+text). The fine-tuning job's loss counts the label's tokens only (the text after
+`PROMPT`: `config.finetune.loss_after`, `jaxdp.losses.completion_losses`); the accuracy
 (`sentiment_accuracy`) compares the model's log-probabilities of the
 continuations " positive" and " negative" after "<snippet>\\nSentiment:".
 

@@ -7,7 +7,7 @@ steps keeps every frozen parameter bit for bit and moves the trainable ones, and
 directory of the pretraining job (privacy.json, metrics, summary with the held-out accuracy);
 interrupted and resumed equals uninterrupted; bad input is one line before the workdir is touched;
 an HF checkpoint initialises with the GPT-2 tokenizer; the accuracy's log-probabilities are the
-language model's.
+language model's; the loss counts the label only (config.finetune.loss_after) or, with '', the text.
 """
 
 import io
@@ -25,6 +25,7 @@ from flax import nnx
 
 from experiments.configs import finetune as finetune_config
 from jaxdp import finetune_job, nn, tasks, training
+from jaxdp.losses import completion_losses, lm_losses
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.hf_gpt2 import save_hf_gpt2
 from jaxdp.training import run_dir
@@ -191,6 +192,7 @@ def _unchanged(workdir):
     ({"mesh.data": 2}, "single-device step"),
     ({"finetune.method": "prompt", "finetune.prompt_length": 4}, "prompt_length"),
     ({"finetune.method": "prompt", "seq_len": 24, "finetune.prompt_length": 4, "sample.num": 1}, "sample.num"),
+    ({"finetune.loss_after": "\nVerdict:"}, "Verdict:' occurs in no training window"),
 ])
 def test_bad_input_is_one_line_before_the_workdir_is_touched(task, init_run, tmp_path, overrides, needle):
     workdir = tmp_path / "run"
@@ -199,6 +201,15 @@ def test_bad_input_is_one_line_before_the_workdir_is_touched(task, init_run, tmp
         finetune_job.prepare(config_of(task, init_run, workdir, **overrides))
     assert "\n" not in str(e.value)
     assert {f.name: f.read_bytes() for f in workdir.iterdir()} == before
+
+
+def test_the_loss_counts_the_label_or_the_whole_text(lora_run, task, init_run, tmp_path):
+    p, _, _ = lora_run  # the shipped config: the text after "\nSentiment:" (jaxdp.tasks.PROMPT)
+    assert p.config.finetune.loss_after == tasks.PROMPT
+    assert p.loss_fn is completion_losses(p.tokenizer.encode(tasks.PROMPT))
+    for whole_text in ("", None):
+        whole = finetune_job.prepare(config_of(task, init_run, tmp_path / "run", finetune__loss_after=whole_text))
+        assert whole.loss_fn is lm_losses and not (tmp_path / "run").exists()
 
 
 def test_init_run_without_parameters_is_refused_before_the_workdir(task, init_run, tmp_path):

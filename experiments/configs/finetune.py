@@ -46,6 +46,8 @@ def get_config() -> config_dict.ConfigDict:
         c.finetune.rev_alpha = 0.1           # reversible: stream scales (MEFT's)
         c.finetune.rev_beta = 0.1
         c.finetune.rev_keep_streams_every = config_dict.FieldReference(2, field_type=int)  # reversible: keep the streams every k layers (None: invert all)
+        c.finetune.loss_after = "\nSentiment:"  # the loss counts only the text after its last occurrence in a
+                                             # window (the label); '' (--config.finetune.loss_after=): all text
         c.finetune.accuracy_examples = 1000  # held-out snippets scored after training (summary.json; 0: none)
     c.lock()
     return c

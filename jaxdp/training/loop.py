@@ -93,7 +93,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     initial_val_loss = rows[0]["val_loss"]
 
     sharded = ShardedTrainer(config, model, optimizer, p.noise_multiplier) if runs_sharded_step(config) else None
-    step_fn = _step_fn(config, sharded)
+    step_fn = _step_fn(config, p, sharded)
     progress = Progress(config.steps, verbose, accountant=config.accountant if config.dp.enabled else None)
     clock, window_losses, last_row, stop_reason = _Throughput(), [], rows[-1], None
     metrics_f = open(p.workdir / METRICS_FILE, "a")
@@ -200,15 +200,15 @@ def _restore_or_evaluate(config, p: Prepared, model, optimizer, tracker, checkpo
     if start == 0:
         log(f"evaluating the untrained model on {len(p.eval_indices)} validation windows ...", verbose)
         rows = [{"step": 0, "train_loss": None, "epsilon": 0.0 if config.dp.enabled else None,
-                 "val_loss": evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)}]
+                 "val_loss": evaluate(model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)}]
     write_metrics(p.workdir, rows)
     return start, rows, tracker
 
 
-def _step_fn(config, sharded):
+def _step_fn(config, p: Prepared, sharded):
     """(model, optimizer, micro-batch) -> loss sum: the jitted single-device step, or the sharded trainer's."""
     if sharded is None:
-        return make_train_step(config.dp.enabled,
+        return make_train_step(config.dp.enabled, p.loss_fn,
                                per_example="reference" if config.dp.strategy == "reference" else "jaxdp",
                                windows_per_unit=config.privacy.windows_per_unit)
     return lambda model, optimizer, batch: sharded(batch)
@@ -268,7 +268,7 @@ def _log_row(config, p: Prepared, n: int, model, tracker, window_losses, clock: 
     eps = tracker.epsilon() if tracker is not None else None
     row = {"step": n, "train_loss": train_loss, "epsilon": eps}
     if n % config.eval_every == 0 or n == config.steps:
-        row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)
+        row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)
     metrics_f.write(json.dumps(row) + "\n")
     metrics_f.flush()
     clock.pause_since(t_log)
@@ -282,7 +282,7 @@ def _evaluate_and_save_final(config, p: Prepared, model, optimizer, tracker, che
         row = rows[-1] if rows and rows[-1]["step"] == last else {
             "step": last, "train_loss": None,
             "epsilon": tracker.epsilon() if tracker is not None else None}
-        row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size)
+        row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)
         if not rows or rows[-1] is not row:
             rows.append(row)
         write_metrics(p.workdir, rows)

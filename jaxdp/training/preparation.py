@@ -37,6 +37,7 @@ from flax import nnx
 from jaxdp import accounting
 from jaxdp import data as data_lib
 from jaxdp import noise as noise_lib
+from jaxdp.losses import lm_losses
 from jaxdp.models.gpt2 import GPT2Config
 from jaxdp.models.llama import LlamaConfig
 from jaxdp.sampling import (
@@ -86,6 +87,9 @@ class Prepared:
     # The model the loop trains, `build_model(seed)`; None: `build_model(model_config, seed)`, a fresh
     # one. Fine-tuning (`jaxdp.finetune_job`) sets it: pretrained weights, then `jaxdp.finetune.prepare`.
     build_model: Callable[[int], nnx.Module] | None = dataclasses.field(default=None, repr=False)
+    # The per-window loss the step and the validation loss use (`jaxdp.losses`); fine-tuning may count the
+    # label only (`completion_losses`). Single-device step only: the sharded step uses `cp_lm_losses`.
+    loss_fn: Callable = dataclasses.field(default=lm_losses, repr=False)
 
     def derive_seed(self, domain: str, *path: str | int) -> int:
         """The seed of one use of randomness (`jaxdp.noise.derive_seed` of the root)."""

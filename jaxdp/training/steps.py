@@ -213,14 +213,14 @@ class ShardedTrainer:
 # ------------------------------------------------------------------ evaluation
 
 
-@nnx.jit
-def _eval_sum(model, batch):
-    return lm_losses(model, batch).sum()
+@functools.partial(nnx.jit, static_argnums=0)
+def _eval_sum(loss_fn, model, batch):
+    return loss_fn(model, batch).sum()
 
 
 def evaluate(model: nnx.Module, windows: data_lib.TokenWindows, indices: np.ndarray,
-             batch_size: int) -> float:
-    """Mean next-token NLL over `windows[indices]` (fixed-shape, masked batches)."""
+             batch_size: int, loss_fn: Callable = lm_losses) -> float:
+    """Mean over `windows[indices]` of `loss_fn` (per-window next-token NLL; fixed-shape, masked batches)."""
     total = 0.0
     for start in range(0, len(indices), batch_size):
         idx = indices[start:start + batch_size]
@@ -228,5 +228,5 @@ def evaluate(model: nnx.Module, windows: data_lib.TokenWindows, indices: np.ndar
         mask[:len(idx)] = True
         padded = np.zeros(batch_size, np.int64)
         padded[:len(idx)] = idx
-        total += float(_eval_sum(model, {"tokens": windows.get(padded), "mask": mask}))
+        total += float(_eval_sum(loss_fn, model, {"tokens": windows.get(padded), "mask": mask}))
     return total / len(indices)
