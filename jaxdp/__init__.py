@@ -3,6 +3,7 @@
 from jaxdp import accounting
 from jaxdp import audit_runs
 from jaxdp import auditing
+from jaxdp import calibration
 from jaxdp import data
 from jaxdp import finetune
 from jaxdp import models
@@ -40,6 +41,7 @@ __all__ = [
     "accounting",
     "audit_runs",
     "auditing",
+    "calibration",
     "check_per_example_loss",
     "clipped_aggregate",
     "data",

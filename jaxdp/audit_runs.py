@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxdp import accounting
+from jaxdp import accounting, calibration
 from jaxdp import auditing
 from jaxdp import nn
 from jaxdp.fused_clip import fused_clip
@@ -145,7 +145,7 @@ def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: 
     if not canary_norm > 0:
         raise ValueError(f"canary_norm must be > 0, got {canary_norm!r}")
     q, m, n = float(sampling_probability), num_canaries, num_examples
-    sigma = (accounting.calibrate_noise_multiplier(target_epsilon, q, steps, delta, accountant="pld")
+    sigma = (calibration.calibrate_noise_multiplier(target_epsilon, q, steps, delta, accountant="pld")
              if noise_multiplier is None else float(noise_multiplier))
     claimed = accounting.epsilon(sigma, q, steps, delta, accountant="pld")
     rng = np.random.default_rng(secret_seed() if seed is None else seed)
@@ -265,7 +265,7 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, 
     included = auditing.draw_inclusion(m, rng)
     records = np.concatenate([windows, canaries[included]]).astype(np.int32)
     q = batch_size / (n + m / 2)
-    sigma = (accounting.calibrate_noise_multiplier(target_epsilon, q, steps, delta, accountant="pld")
+    sigma = (calibration.calibrate_noise_multiplier(target_epsilon, q, steps, delta, accountant="pld")
              if noise_multiplier is None else float(noise_multiplier))
     claimed = accounting.epsilon(sigma, q, steps, delta, accountant="pld")
     sampler = PoissonSampler(len(records), q * len(records), seed=int(rng.integers(2**62)))

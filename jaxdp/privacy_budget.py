@@ -7,7 +7,7 @@ and a JSON-serialisable state for checkpoints. The training loop
 
 Example::
 
-    sigma = accounting.calibrate_noise_multiplier(8.0, sampling_probability=0.01,
+    sigma = calibration.calibrate_noise_multiplier(8.0, sampling_probability=0.01,
                                                   steps=10_000, delta=1e-5)
     tracker = BudgetTracker(sigma, 0.01, 1e-5, target_epsilon=8.0)
     while tracker.can_step():
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxdp import accounting
+from jaxdp import accounting, calibration
 
 
 class BudgetTracker:
@@ -91,7 +91,7 @@ class BudgetTracker:
         if self.target_epsilon is None:
             return None
         if self._max_steps is None:
-            self._max_steps = accounting.steps_for_epsilon(
+            self._max_steps = calibration.steps_for_epsilon(
                 self.target_epsilon, self.noise_multiplier, self.sampling_probability,
                 self.delta, accountant=self.accountant,
                 max_steps=self._BUDGET_SEARCH_LIMIT,

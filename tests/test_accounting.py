@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from dp_accounting import pld, rdp
 
-from jaxdp import accounting
+from jaxdp import accounting, calibration
 from jaxdp import privacy_budget
 
 # (noise_multiplier, sampling_probability, steps, delta)
@@ -89,7 +89,7 @@ def test_epsilon_is_monotone():
 @pytest.mark.parametrize("target", [0.5, 2.0])
 def test_calibrate_hits_target_from_below(accountant, q, steps, target):
     delta = 1e-5
-    sigma = accounting.calibrate_noise_multiplier(target, q, steps, delta,
+    sigma = calibration.calibrate_noise_multiplier(target, q, steps, delta,
                                                   accountant=accountant)
     eps = accounting.epsilon(sigma, q, steps, delta, accountant=accountant)
     assert target * (1 - 0.01) <= eps <= target
@@ -98,12 +98,12 @@ def test_calibrate_hits_target_from_below(accountant, q, steps, target):
 
 
 def test_calibrate_respects_rtol():
-    sigma = accounting.calibrate_noise_multiplier(3.0, 0.02, 500, 1e-6, rtol=1e-6)
+    sigma = calibration.calibrate_noise_multiplier(3.0, 0.02, 500, 1e-6, rtol=1e-6)
     assert 3.0 * (1 - 1e-6) <= accounting.epsilon(sigma, 0.02, 500, 1e-6) <= 3.0
 
 
 def test_calibrate_zero_steps_needs_no_noise():
-    assert accounting.calibrate_noise_multiplier(1.0, 0.01, 0, 1e-5) == 0.0
+    assert calibration.calibrate_noise_multiplier(1.0, 0.01, 0, 1e-5) == 0.0
 
 
 # ---------------------------------------------------------------- steps_for_epsilon
@@ -113,16 +113,16 @@ def test_calibrate_zero_steps_needs_no_noise():
                                                         ("pld", 5.0, 0.1, 1.0)])
 def test_steps_for_epsilon_is_the_boundary(accountant, sigma, q, target):
     delta = 1e-5
-    k = accounting.steps_for_epsilon(target, sigma, q, delta, accountant=accountant)
+    k = calibration.steps_for_epsilon(target, sigma, q, delta, accountant=accountant)
     assert k > 1
     assert accounting.epsilon(sigma, q, k, delta, accountant=accountant) <= target
     assert accounting.epsilon(sigma, q, k + 1, delta, accountant=accountant) > target
 
 
 def test_steps_for_epsilon_limits():
-    assert accounting.steps_for_epsilon(100.0, 10.0, 0.01, 1e-5, max_steps=50) == 50
-    assert accounting.steps_for_epsilon(1.0, 0.0, 0.01, 1e-5) == 0  # no noise: no step
-    assert accounting.steps_for_epsilon(0.01, 0.5, 1.0, 1e-5) == 0  # one step is too many
+    assert calibration.steps_for_epsilon(100.0, 10.0, 0.01, 1e-5, max_steps=50) == 50
+    assert calibration.steps_for_epsilon(1.0, 0.0, 0.01, 1e-5) == 0  # no noise: no step
+    assert calibration.steps_for_epsilon(0.01, 0.5, 1.0, 1e-5) == 0  # one step is too many
 
 
 # ---------------------------------------------------------------- default delta
@@ -230,13 +230,13 @@ def _epsilon(**overrides):
 def _calibrate(**overrides):
     kw = {"target_epsilon": 1.0, "sampling_probability": 0.01, "steps": 10,
           "delta": 1e-5, **overrides}
-    return accounting.calibrate_noise_multiplier(**kw)
+    return calibration.calibrate_noise_multiplier(**kw)
 
 
 def _steps_for(**overrides):
     kw = {"target_epsilon": 1.0, "noise_multiplier": 1.0, "sampling_probability": 0.01,
           "delta": 1e-5, **overrides}
-    return accounting.steps_for_epsilon(**kw)
+    return calibration.steps_for_epsilon(**kw)
 
 
 def _tracker(**overrides):

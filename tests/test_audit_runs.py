@@ -13,7 +13,7 @@ import pytest
 
 import dp_testing
 from flax import nnx
-from jaxdp import accounting
+from jaxdp import accounting, calibration
 from jaxdp import audit_runs
 from jaxdp import nn
 from jaxdp.training import receipt
@@ -24,7 +24,7 @@ CLAIM = 2.0
 @pytest.fixture(scope="module")
 def sigma():
     """The noise multiplier that white_box_audit's defaults (q = 1, 4 steps) calibrate to CLAIM."""
-    return accounting.calibrate_noise_multiplier(CLAIM, 1.0, 4, 1e-5, accountant="pld")
+    return calibration.calibrate_noise_multiplier(CLAIM, 1.0, 4, 1e-5, accountant="pld")
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxdp import accounting
+from jaxdp import accounting, calibration
 from jaxdp import data as data_lib
 from jaxdp import noise as noise_lib
 from jaxdp.losses import lm_losses
@@ -193,7 +193,7 @@ def _noise_multiplier(config, q: float, delta: float) -> tuple[float, float]:
     fixed = config.dp.noise_multiplier
 
     def calibrate(interval):
-        return accounting.calibrate_noise_multiplier(config.dp.target_epsilon, q, config.steps, delta,
+        return calibration.calibrate_noise_multiplier(config.dp.target_epsilon, q, config.steps, delta,
                                                      accountant=config.accountant,
                                                      value_discretization_interval=interval)
     if config.accountant == "rdp":
