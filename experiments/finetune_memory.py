@@ -43,30 +43,12 @@ DP_METHOD = flags.DEFINE_enum("dp_method", "bookkeeping", ["bookkeeping", "two_p
 REV_KEEP = flags.DEFINE_integer("rev_keep_streams_every", 2, "also a reversible row keeping the streams every "
                                 "k layers (exact at depth; jaxdp.models.reversible); 0: no such row")
 TARGET = flags.DEFINE_enum("target", None, ["h100"], "compile for this GPU without one (XLA:GPU deviceless)")
+ACCURACY_RUNS = flags.DEFINE_list("accuracy_runs", [], "finished `experiments.finetune` run directories: their "
+                                  "held-out accuracy is printed after the memory table (--methods= for that only)")
 OUT = flags.DEFINE_string("out", "benchmarks/finetune_memory.json", "JSON output path")
-
-# MemDPT (arXiv:2406.11087), GPT-2 large on E2E, B = 32, T = 128: training memory in GB (DP at eps 8, non-DP).
-SEED_GB = {"full": (62.23, 20.45), "lora": (21.75, 13.68), "adapter": (23.68, None), "bitfit": (9.59, None),
-           "prompt": (22.12, None), "side": (11.44, 10.17), "reversible": (9.88, 8.39)}
-
 
 def _fmt(x, digits=2):
     return "-" if x is None else f"{x:.{digits}f}"
-
-
-def targets(rows: dict) -> list[str]:
-    """The issue's targets, each as 'name: ratio (target) ok|MISSED'."""
-    out = []
-    for m, r in rows.items():
-        out.append(f"{m} DP / non-DP: {r['dp'] / r['nondp']:.3f} (<= 1.05) "
-                   f"{'ok' if r['dp'] <= 1.05 * r['nondp'] else 'MISSED'}")
-    if "side" in rows and "lora" in rows:
-        ratio = rows["side"]["dp"] / rows["lora"]["dp"]
-        out.append(f"side DP / LoRA DP: {ratio:.3f} (<= 0.55) {'ok' if ratio <= 0.55 else 'MISSED'}")
-    if "reversible" in rows and "bitfit" in rows:
-        ratio = rows["reversible"]["dp"] / rows["bitfit"]["dp"]
-        out.append(f"reversible DP / BiTFiT DP: {ratio:.3f} (<= 1.10) {'ok' if ratio <= 1.10 else 'MISSED'}")
-    return out
 
 
 def main(argv):
@@ -74,9 +56,13 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from jaxdp import finetune_memory, hlo_cost
+    from jaxdp import finetune_job, finetune_memory, hlo_cost
     from jaxdp.models.gpt2 import GPT2Config
 
+    try:  # bad run directories: one line, before any compile
+        accuracy = finetune_job.accuracy_rows(ACCURACY_RUNS.value)
+    except ValueError as e:
+        raise SystemExit(f"error: --accuracy_runs: {e}") from None
     device = hlo_cost.target_devices(TARGET.value, 1)[0]
     config = GPT2Config.preset(MODEL.value, dtype=DTYPE.value, **({"seq_len": 64} if MODEL.value == "tiny" else {}))
     runs = [(m, m, {}) for m in METHODS.value]
@@ -103,21 +89,30 @@ def main(argv):
             rows[label] = row
 
     machine = "XLA:GPU deviceless H100 compile, not a run" if TARGET.value else "CPU, compiled memory analysis"
-    print(f"\nGPT-2 {MODEL.value}, B = {BATCH_SIZE.value}, T = {SEQ_LEN.value}, {DTYPE.value}, "
-          f"DP by {DP_METHOD.value}; {machine}; "
-          f"JAX {jax.__version__}; {datetime.date.today()}\n")
-    print("| method | trainable params | non-DP GB | DP GB | DP / non-DP | seed DP (eps 8) GB | seed non-DP GB |")
-    print("|---|---|---|---|---|---|---|")
-    for method, r in rows.items():
-        seed_dp, seed_nondp = SEED_GB.get(method.split()[0], (None, None))
-        print(f"| {method} | {r['trainable_params']:,} | {r['nondp']:.2f} | {r['dp']:.2f} | "
-              f"{r['dp'] / r['nondp']:.3f} | {_fmt(seed_dp)} | {_fmt(seed_nondp)} |")
-    print("\nTargets (issue 14):\n" + "\n".join("- " + t for t in targets(rows)))
+    if rows:
+        print(f"\nGPT-2 {MODEL.value}, B = {BATCH_SIZE.value}, T = {SEQ_LEN.value}, {DTYPE.value}, "
+              f"DP by {DP_METHOD.value}; {machine}; "
+              f"JAX {jax.__version__}; {datetime.date.today()}\n")
+        print("| method | trainable params | non-DP GB | DP GB | DP / non-DP | seed DP (eps 8) GB | seed non-DP GB |")
+        print("|---|---|---|---|---|---|---|")
+        for method, r in rows.items():
+            seed_dp, seed_nondp = finetune_memory.SEED_GB.get(method.split()[0], (None, None))
+            print(f"| {method} | {r['trainable_params']:,} | {r['nondp']:.2f} | {r['dp']:.2f} | "
+                  f"{r['dp'] / r['nondp']:.3f} | {_fmt(seed_dp)} | {_fmt(seed_nondp)} |")
+        print("\nTargets (issue 14):\n" + "\n".join("- " + t for t in finetune_memory.target_checks(rows)))
+    if accuracy:
+        print("\nHeld-out accuracy on Rotten Tomatoes (the runs' summary.json, CPU):\n\n"
+              "| run | method | epsilon | sigma | steps | val loss | accuracy (examples, positive fraction) |\n"
+              "|---|---|---|---|---|---|---|")
+        for r in accuracy:
+            print(f"| {r['run']} | {r['method']} | {r['epsilon']:.2f} | {_fmt(r['noise_multiplier'], 3)} | "
+                  f"{r['steps']} | {r['val_loss']:.4f} | {r['accuracy']:.3f} ({r['examples']}, "
+                  f"{r['positive_fraction']:.3f}) |")
     os.makedirs(os.path.dirname(OUT.value) or ".", exist_ok=True)
     with open(OUT.value, "w") as f:
         json.dump({"model": MODEL.value, "batch_size": BATCH_SIZE.value, "seq_len": SEQ_LEN.value,
                    "dtype": DTYPE.value, "dp_method": DP_METHOD.value, "machine": machine, "jax": jax.__version__,
-                   "date": str(datetime.date.today()), "rows": rows}, f, indent=1)
+                   "date": str(datetime.date.today()), "rows": rows, "accuracy": accuracy}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import pathlib
 
 import numpy as np
@@ -236,3 +237,22 @@ def add_accuracy(p: Prepared, model: nnx.Module | None = None) -> dict | None:
     summary["heldout_accuracy"] = result
     (p.workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return result
+
+
+def accuracy_rows(run_dirs) -> list[dict]:
+    """One row per finished fine-tuning run directory with a held-out accuracy (`add_accuracy`):
+    {"run", "method", "dp", "epsilon" (math.inf without DP), "noise_multiplier", "steps", "val_loss",
+    "accuracy", "examples", "positive_fraction"}. A directory without summary.json or accuracy: ValueError."""
+    rows = []
+    for d in map(pathlib.Path, run_dirs):
+        summary, config = read_json(d / SUMMARY_FILE), read_json(d / CONFIG_FILE)
+        if not summary or not config or "heldout_accuracy" not in summary:
+            raise ValueError(f"{d}: not a finished fine-tuning run with a held-out accuracy "
+                             f"({SUMMARY_FILE} with heldout_accuracy, {CONFIG_FILE})")
+        acc = summary["heldout_accuracy"]
+        rows.append({"run": str(d), "method": config["finetune"]["method"], "dp": summary["dp"],
+                     "epsilon": summary["epsilon"] if summary["dp"] else math.inf,
+                     "noise_multiplier": summary.get("noise_multiplier"), "steps": summary["steps"],
+                     "val_loss": summary["val_loss"], "accuracy": acc["accuracy"], "examples": acc["examples"],
+                     "positive_fraction": acc["positive_fraction"]})
+    return rows

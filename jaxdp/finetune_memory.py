@@ -120,3 +120,23 @@ def step_memory(config: GPT2Config, method: str, *, dp: bool, batch_size: int, s
     analysis = jitted.lower(params, opt_state, frozen, batch).compile().memory_analysis()
     return StepMemory(analysis.argument_size_in_bytes, analysis.output_size_in_bytes, analysis.temp_size_in_bytes,
                       analysis.alias_size_in_bytes, _num_params(params))
+
+
+# MemDPT (arXiv:2406.11087), GPT-2 large on E2E, B = 32, T = 128: training memory in GB (DP at eps 8, non-DP).
+SEED_GB = {"full": (62.23, 20.45), "lora": (21.75, 13.68), "adapter": (23.68, None), "bitfit": (9.59, None),
+           "prompt": (22.12, None), "side": (11.44, 10.17), "reversible": (9.88, 8.39)}
+
+
+def target_checks(rows: dict) -> list[str]:
+    """Issue 14's memory targets on {method: {"dp": GB, "nondp": GB}}, each as 'name: ratio (target) ok|MISSED'."""
+    out = []
+    for m, r in rows.items():
+        out.append(f"{m} DP / non-DP: {r['dp'] / r['nondp']:.3f} (<= 1.05) "
+                   f"{'ok' if r['dp'] <= 1.05 * r['nondp'] else 'MISSED'}")
+    if "side" in rows and "lora" in rows:
+        ratio = rows["side"]["dp"] / rows["lora"]["dp"]
+        out.append(f"side DP / LoRA DP: {ratio:.3f} (<= 0.55) {'ok' if ratio <= 0.55 else 'MISSED'}")
+    if "reversible" in rows and "bitfit" in rows:
+        ratio = rows["reversible"]["dp"] / rows["bitfit"]["dp"]
+        out.append(f"reversible DP / BiTFiT DP: {ratio:.3f} (<= 1.10) {'ok' if ratio <= 1.10 else 'MISSED'}")
+    return out

@@ -252,6 +252,15 @@ def test_hf_checkpoint_initialises_with_the_gpt2_tokenizer(task, tmp_path):
         finetune_job.prepare(config_of(task, tmp_path / "hf300", tmp_path / "run"))
 
 
+def test_accuracy_rows_read_the_run(lora_run, tmp_path):
+    p, summary, accuracy = lora_run
+    (row,) = finetune_job.accuracy_rows([p.workdir])
+    assert row["method"] == "lora" and row["dp"] and row["epsilon"] == summary["epsilon"] < float("inf")
+    assert row["accuracy"] == accuracy["accuracy"] and row["examples"] == accuracy["examples"] > 0
+    with pytest.raises(ValueError, match="not a finished fine-tuning run"):
+        finetune_job.accuracy_rows([tmp_path])
+
+
 def test_accuracy_scores_the_language_model(lora_run):
     """continuation_logprobs = minus the LM loss of the label tokens of the whole document."""
     p, _, _ = lora_run
