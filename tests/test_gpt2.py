@@ -58,6 +58,9 @@ def test_bad_config(kwargs, name):
         GPT2Config(**kwargs)
     with pytest.raises(ValueError, match="preset"):
         GPT2Config.preset("huge")
+    with pytest.raises(ValueError, match=name):  # a preset's own fields can be overridden, and are checked
+        GPT2Config.preset("tiny", **kwargs)
+    assert GPT2Config.preset("tiny", n_layer=3).n_layer == 3 != GPT2Config.preset("tiny").n_layer
 
 
 def test_attention_implementation_choice(monkeypatch):

@@ -63,13 +63,14 @@ class GPT2Config:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPT2Config":
-        """`GPT2Config.preset("small", seq_len=512)`; names: tiny, small, medium, large, xl."""
+        """`GPT2Config.preset("small", seq_len=512)`; names: tiny, small, medium, large, xl. `overrides` may
+        change any field, the preset's shape included (`preset("tiny", n_layer=8)`)."""
         if name not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
         n_layer, n_head, d_model = PRESETS[name]
         if name == "tiny":
             overrides = dict(dict(vocab_size=256, seq_len=64), **overrides)
-        return cls(n_layer=n_layer, n_head=n_head, d_model=d_model, **overrides)
+        return cls(**dict(dict(n_layer=n_layer, n_head=n_head, d_model=d_model), **overrides))
 
     @property
     def num_params(self) -> int:
