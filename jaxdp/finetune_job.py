@@ -179,19 +179,14 @@ def prepare(config, *, progress=None) -> Prepared:
 
 def _completion_loss(p: Prepared, loss_after: str):
     """`jaxdp.losses.completion_losses` of the tokens of `loss_after`; ConfigError when no training window
-    holds them (the job would train on nothing)."""
+    has a target it counts (the job would train on nothing)."""
     marker = tuple(p.tokenizer.encode(loss_after))
     windows = p.train.get(np.arange(min(len(p.train), 4096)))
-    m = len(marker)
-    if m <= windows.shape[1]:
-        found = np.zeros(len(windows), bool)
-        for s in range(windows.shape[1] - m + 1):
-            found |= (windows[:, s:s + m] == marker).all(axis=1)
-        if found.any():
-            return losses.completion_losses(marker)
-    raise ConfigError(f"config.finetune.loss_after {loss_after!r} occurs in no training window of "
-                      f"config.data.path (checked {len(windows)}): set it to the text before each label, or to "
-                      "'' to train on the whole text")
+    if not bool(losses.completion_targets(windows, marker).any()):
+        raise ConfigError(f"config.finetune.loss_after {loss_after!r} is followed by no target in any training "
+                          f"window of config.data.path (checked {len(windows)}): set it to the text before each "
+                          "label, or to '' to train on the whole text")
+    return losses.completion_losses(marker)
 
 
 def _hf_vocab(init: str) -> int:

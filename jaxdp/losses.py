@@ -46,10 +46,15 @@ def completion_losses(marker: Sequence[int]) -> Callable:
 def _completion_losses(marker: tuple[int, ...]) -> Callable:
     def losses(model: nnx.Module, batch) -> jax.Array:
         tokens_BT1 = batch["tokens"]
-        counted_BT = (tokens_BT1[:, 1:] >= 0) & (_after_last(tokens_BT1, marker)[:, :-1])
-        return _mean_nll(model, tokens_BT1, batch["mask"], counted_BT)
+        return _mean_nll(model, tokens_BT1, batch["mask"], completion_targets(tokens_BT1, marker))
     losses.__qualname__ = losses.__name__ = f"completion_losses{marker}"
     return losses
+
+
+def completion_targets(tokens_BT1: jax.Array, marker: tuple[int, ...]) -> jax.Array:
+    """(B, T) bool: the targets `completion_losses(marker)` counts (non-PAD, after the window's last
+    `marker`); all False in a window without it."""
+    return (tokens_BT1[:, 1:] >= 0) & _after_last(tokens_BT1, marker)[:, :-1]
 
 
 def _after_last(tokens_BT1: jax.Array, marker: tuple[int, ...]) -> jax.Array:

@@ -192,7 +192,7 @@ def _unchanged(workdir):
     ({"mesh.data": 2}, "single-device step"),
     ({"finetune.method": "prompt", "finetune.prompt_length": 4}, "prompt_length"),
     ({"finetune.method": "prompt", "seq_len": 24, "finetune.prompt_length": 4, "sample.num": 1}, "sample.num"),
-    ({"finetune.loss_after": "\nVerdict:"}, "Verdict:' occurs in no training window"),
+    ({"finetune.loss_after": "\nVerdict:"}, "Verdict:' is followed by no target in any training window"),
 ])
 def test_bad_input_is_one_line_before_the_workdir_is_touched(task, init_run, tmp_path, overrides, needle):
     workdir = tmp_path / "run"
