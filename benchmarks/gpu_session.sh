@@ -18,7 +18,7 @@
 #   bash benchmarks/gpu_session.sh long_context  # LongShield target: with remat, DP's max context = non-DP's
 #   bash benchmarks/gpu_session.sh two_pass      # the same sweep with dp_method=two_pass
 #
-# Targets (issue 13, one H100, cuDNN-attention non-DP baseline): per-layer clipping (pallas_per_layer)
+# Targets (issue 13, one H100, cuDNN-attention non-DP baseline): per-layer clipping (per_layer, pallas_per_layer)
 # >= 0.90 of non-DP tokens/s and flat auto >= 0.85 at micro-batch 4 and 16 (small, medium); per-layer
 # >= 1.15x explicit, flat auto never slower than explicit; peak memory <= 1.10x non-DP; seq 16384:
 # flat auto >= 0.70; DP compile time <= 1.5x non-DP. The predictions (XLA:GPU deviceless compile,
@@ -85,7 +85,7 @@ case "${1:-}" in
     ;;
   step_medium)
     header
-    run 570 step_medium "${STEP[@]}" --configs=medium:4:1024,medium:16:1024 --methods=explicit,auto,pallas_per_layer \
+    run 570 step_medium "${STEP[@]}" --configs=medium:4:1024,medium:16:1024 --methods=explicit,auto,per_layer,pallas_per_layer \
       --out="$OUT/step_medium.json"
     ;;
   long_context)

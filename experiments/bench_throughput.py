@@ -12,6 +12,7 @@ micro-batch 4 and 16, and at seq 16384 with micro-batch 1). Methods (flat clippi
   ghost             fused_clip, strategy="ghost" (book-keeping: norms from kept x, g; one clipped GEMM per layer)
   store             fused_clip, strategy="store" (per-example gradients kept: no clipped-sum GEMM)
   auto              fused_clip, strategy="auto" (per layer: ghost / instantiate / store by device rates)
+  per_layer         fused_clip, strategy="auto", clipping="per_layer"
   pallas_flat       fused_clip, strategy="pallas"
   pallas_per_layer  fused_clip, strategy="pallas", clipping="per_layer" (single-pass kernel)
 Every configuration runs in its own process so its peak memory is clean; the
@@ -37,7 +38,8 @@ from absl import app, flags
 
 from experiments._results import write_results
 
-METHODS = ("non_dp", "explicit", "two_pass", "ghost", "store", "auto", "pallas_flat", "pallas_per_layer")
+METHODS = ("non_dp", "explicit", "two_pass", "ghost", "store", "auto", "per_layer", "pallas_flat",
+           "pallas_per_layer")
 CONFIGS = flags.DEFINE_list("configs", ["small:4:1024", "small:16:1024", "small:1:16384"],
                             "model:micro_batch:seq_len of GPT-2 presets")
 METHODS_FLAG = flags.DEFINE_list("methods", list(METHODS), "methods to run (non_dp is always added)")
@@ -73,8 +75,9 @@ def _step_fn(cfg: dict):
     if method in ("non_dp", "two_pass"):
         tx = optax.adam(1e-4)
     else:
-        clipping = "per_layer" if method == "pallas_per_layer" else "flat"
-        strategy = {"explicit": "auto", "ghost": "ghost", "store": "store", "auto": "auto"}.get(method, "pallas")
+        clipping = "per_layer" if method in ("per_layer", "pallas_per_layer") else "flat"
+        strategy = {"explicit": "auto", "ghost": "ghost", "store": "store", "auto": "auto",
+                    "per_layer": "auto"}.get(method, "pallas")
         tx = optax.chain(jaxdp.fused_clip(C, sigma, expected_batch_size=expected_B, clipping=clipping,
                                           strategy=strategy), optax.adam(1e-4))
 

@@ -216,10 +216,12 @@ def choose_method(kind: str, *, B, T, P, D, S=None, itemsize=4, chunk_size=DEFAU
 def linear_layer_cost(method: str, *, B: int, T: int, P: int, D: int, itemsize: int = 4,
                       chunk_size: int = DEFAULT_CHUNK_SIZE) -> PairCost:
     """Norm AND clipped sum of a linear layer: ghost / instantiate norms then the clipped-sum GEMM
-    x^T diag(c) g (scratch per chunk), or `store` (G_b of every example held: its scratch)."""
+    x^T diag(c) g (scratch per chunk), or `store` (G_b of every example held in the input dtype: written
+    once, read for the norm and for the clipped sum)."""
     inputs = B * T * (P + D) * itemsize
     if method == "store":
-        return PairCost(2 * B * T * P * D + 4 * B * P * D, inputs + 3 * B * P * D * 4 + P * D * 4, B * P * D * 4)
+        held = B * P * D * itemsize
+        return PairCost(2 * B * T * P * D + 4 * B * P * D, inputs + 3 * held + P * D * 4, held)
     norm = pair_cost("linear", method, B=B, T=T, P=P, D=D, itemsize=itemsize, chunk_size=chunk_size)
     return PairCost(norm.flops + 2 * B * T * P * D, norm.bytes_moved + inputs + P * D * 4, norm.scratch_bytes)
 
@@ -285,17 +287,19 @@ def storable(grad: FactoredGrad) -> LinearTerm | None:
 
 
 def per_example_gradients(grad: FactoredGrad) -> jax.Array:
-    """G_b of every example, (B, *shape), accumulated in float32 (float64 for float64), of a `storable`
-    parameter: x_b^T g_b, plus each lookup's rows g_bt added at its ids."""
-    total = None
-    for term in grad.terms:
-        if isinstance(term, LinearTerm):
-            part = _dot("btp,btd->bpd", term.x_BTP, term.g_BTD)
-            total = part if total is None else total + part
+    """G_b of every example, (B, *shape), of a `storable` parameter: x_b^T g_b (float32 accumulation,
+    float64 for float64), plus each lookup's rows g_bt added at its ids.
+
+    Kept in the inputs' dtype, as `jax.vmap(jax.grad)` gives them (bf16 inputs: bf16 G_b, half the
+    bytes to write, norm and sum). Rounding G_b cannot break the bound: the norm that clips is taken
+    of this array, and the clipped sum is c_b times this same array (`materialized_clipped_sum`).
+    """
+    linear = storable(grad)
+    total = _dot("btp,btd->bpd", linear.x_BTP, linear.g_BTD).astype(jnp.result_type(linear.x_BTP, linear.g_BTD))
     for term in grad.terms:
         if isinstance(term, EmbedTerm):
-            g = term.g_BTD.astype(total.dtype)
-            total = jax.vmap(lambda G, ids, g_TD: G.at[ids].add(g_TD))(total, term.ids_BT, g)
+            total = jax.vmap(lambda G, ids, g_TD: G.at[ids].add(g_TD))(total, term.ids_BT,
+                                                                        term.g_BTD.astype(total.dtype))
     return total
 
 

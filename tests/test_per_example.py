@@ -159,3 +159,37 @@ def test_auto_stores_per_example_gradients_where_faster():
     kw = dict(B=4, T=1024, P=d, D=4 * d, itemsize=2)
     saved = linear_layer_cost("instantiate", **kw).flops - linear_layer_cost("store", **kw).flops
     assert saved == 2 * 4 * 1024 * d * 4 * d - 2 * 4 * d * 4 * d
+
+
+@pytest.mark.parametrize("plant", [None, "no_lookups"])
+def test_stored_bf16_per_example_gradients_equal_float64_reference(plant, monkeypatch):
+    """`store` keeps bf16 G_b for bf16 inputs (half the bytes), and its clipped sum of a tied embedding
+    (head GEMM + lookups) equals a float64 one of the same inputs to bf16 precision; a planted error
+    (the lookups left out) is caught."""
+    import numpy as np
+
+    from jaxdp import norms
+    from jaxdp.terms import EmbedTerm, FactoredGrad, LinearTerm
+    B, T, V, D, C = 3, 7, 11, 16, 0.5
+    kx, kg, ki, kl = jax.random.split(jax.random.key(11), 4)
+    x = jax.random.normal(kx, (B, T, D), jnp.bfloat16)
+    g = jax.random.normal(kg, (B, T, V), jnp.bfloat16)
+    ids = jax.random.randint(ki, (B, T), 0, V)
+    g_lookup = jax.random.normal(kl, (B, T, D), jnp.bfloat16)
+    grad = FactoredGrad((LinearTerm(g, x), EmbedTerm(ids, g_lookup, V)))  # head: (V, D) = g^T x
+    if plant == "no_lookups":
+        monkeypatch.setattr(norms, "per_example_gradients",
+                            lambda fg: norms._dot("btp,btd->bpd", fg.terms[0].x_BTP, fg.terms[0].g_BTD))
+    else:
+        assert norms.per_example_gradients(grad).dtype == jnp.bfloat16
+    tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=1.0, strategy="store")
+    update, _ = tx.update({"wte": grad}, tx.init({"wte": jnp.zeros((V, D))}))
+    f64 = lambda a: np.asarray(a, np.float64)
+    G = np.einsum("btv,btd->bvd", f64(g), f64(x))
+    for b in range(B):
+        np.add.at(G[b], np.asarray(ids[b]), f64(g_lookup[b]))
+    norms_B = np.linalg.norm(G.reshape(B, -1), axis=1)
+    expected = np.einsum("b,bvd->vd", np.minimum(1.0, C / norms_B), G)
+    err = np.max(np.abs(f64(update["wte"]) - expected)) / np.max(np.abs(expected))
+    tol = 4 * float(jnp.finfo(jnp.bfloat16).eps)  # G_b rounded once to bf16; norms and sums in float32
+    assert (err <= tol) == (plant is None), err
