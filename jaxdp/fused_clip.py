@@ -278,7 +278,7 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
       chunk_size: examples processed at once by the norm computation.
       memory_budget_bytes: `strategy="auto"`'s scratch budget per layer.
       store_budget_bytes: what `strategy="auto"` may hold in kept per-example
-        gradients, in total; None: 1/8 of the device's memory where
+        gradients, in total; None: 1/4 of the device's memory where
         `jaxdp.device_rates` knows it, else `memory_budget_bytes`.
 
     Returns:

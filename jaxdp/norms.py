@@ -25,7 +25,7 @@ makes vmap fast at small B x params): the norm squares them and the clipped
 sum is sum_b c_b G_b, so the clipped-sum GEMM x^T diag(c) g is never run. `plan_stored` picks the
 layers where that saves the most time per byte held, within a budget for
 the bytes held in total (`jaxdp.fused_clip.clipped_aggregate` applies it,
-by default with 1/8 of the device's memory; `strategy="store"` stores every
+by default with 1/4 of the device's memory; `strategy="store"` stores every
 such layer).
 `strategy="pallas"` computes Linear self pairs with the Pallas kernels of
 `jaxdp.pallas` (ghost or instantiate by FLOPs alone: neither kernel writes
