@@ -75,7 +75,7 @@ def get_config() -> config_dict.ConfigDict:
     c.dp.l2_norm_clip = 1.0              # C, the bound on each privacy unit's gradient
     c.dp.clipping = "flat"               # "flat" | "per_layer"
     c.dp.clip_fn = "abadi"               # "abadi" | "automatic"
-    c.dp.strategy = "auto"               # per-example norms: "auto" | "ghost" | "instantiate"; "reference": vmap baseline
+    c.dp.strategy = "auto"               # "auto" | "ghost" | "instantiate" | "store" | "pallas"; "reference": vmap baseline
     c.dp.method = "bookkeeping"          # "bookkeeping" (one backward) | "two_pass" (norms, then a clip-weighted backward; flat only)
     c.dp.overflow = "truncate"           # Poisson draw above max_batch_size: "truncate" | "resample" | "error"
     c.lock()
