@@ -290,17 +290,33 @@ def per_example_gradients(grad: FactoredGrad) -> jax.Array:
     """G_b of every example, (B, *shape), of a `storable` parameter: x_b^T g_b (float32 accumulation,
     float64 for float64), plus each lookup's rows g_bt added at its ids.
 
-    Kept in the inputs' dtype, as `jax.vmap(jax.grad)` gives them (bf16 inputs: bf16 G_b, half the
-    bytes to write, norm and sum). Rounding G_b cannot break the bound: the norm that clips is taken
-    of this array, and the clipped sum is c_b times this same array (`materialized_clipped_sum`).
+    Kept in the inputs' dtype (bf16 inputs: bf16 G_b, half the bytes to write, norm and sum). Rounding
+    G_b cannot break the bound: the norm that clips is taken of this array, and the clipped sum is c_b
+    times this same array (`materialized_clipped_sum`). The lookups of one id are summed in float32
+    before they meet G_b (`_add_lookups`): a bf16 running sum would stall (1000 lookups of 1.0 gave 256).
     """
     linear = storable(grad)
     total = _dot("btp,btd->bpd", linear.x_BTP, linear.g_BTD).astype(jnp.result_type(linear.x_BTP, linear.g_BTD))
     for term in grad.terms:
         if isinstance(term, EmbedTerm):
-            total = jax.vmap(lambda G, ids, g_TD: G.at[ids].add(g_TD))(total, term.ids_BT,
-                                                                        term.g_BTD.astype(total.dtype))
+            total = jax.vmap(_add_lookups)(total, term.ids_BT, term.g_BTD)
     return total
+
+
+def _add_lookups(G_VD: jax.Array, ids_T: jax.Array, g_TD: jax.Array) -> jax.Array:
+    """G_VD with sum_{t: ids_t = v} g_t added to each row v, each row's lookups summed at float32 or wider
+    and rounded into G_VD's dtype once (only the <= T rows looked up are read and written)."""
+    T, V = ids_T.shape[0], G_VD.shape[0]
+    acc = jnp.promote_types(_acc(g_TD), G_VD.dtype)
+    ids_T = ids_T.astype(jnp.int32)
+    order = jnp.argsort(ids_T)
+    ids = ids_T[order]
+    first = jnp.concatenate([jnp.ones((1,), bool), ids[1:] != ids[:-1]])
+    segment = jnp.cumsum(first) - 1  # the distinct id's rank, per sorted lookup
+    sums = jax.ops.segment_sum(g_TD[order].astype(acc), segment, num_segments=T)
+    rows = jnp.full((T,), V, ids.dtype).at[segment].set(ids)  # each segment's id; unused segments: V
+    updated = G_VD.at[rows].get(mode="fill", fill_value=0).astype(acc) + sums
+    return G_VD.at[rows].set(updated.astype(G_VD.dtype), mode="drop")  # row V (unused) is dropped
 
 
 def _linear_self_pallas(term: LinearTerm, chunk_size: int) -> jax.Array:
