@@ -122,14 +122,17 @@ def _embed_ghost(ids, g, ids2, g2):
     return jnp.sum(jnp.where(ids[:, None] == ids2[None, :], _dot("td,sd->ts", g, g2), 0))
 
 
+def _row_sums(ids_T, g_TD, dt):
+    """One example's lookups summed by id, in `dt`: (sorted ids, each one's segment, segment sums (T, D)).
+    The per-example embedding gradient has at most T non-zero rows: these."""
+    order = jnp.argsort(ids_T)
+    ids = ids_T[order]
+    segment = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32), (ids[1:] != ids[:-1]).astype(jnp.int32)]))
+    return ids, segment, jax.ops.segment_sum(_f(g_TD, dt)[order], segment, num_segments=ids_T.shape[0])
+
+
 def _embed_instantiate(ids, g):
-    # The per-example gradient has at most T non-zero rows: sum g by id, then square.
-    dt = _acc(g)
-    order = jnp.argsort(ids)
-    ids_sorted = ids[order]
-    segment = jnp.cumsum(jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                                          (ids_sorted[1:] != ids_sorted[:-1]).astype(jnp.int32)]))
-    rows = jax.ops.segment_sum(_f(g, dt)[order], segment, num_segments=ids.shape[0])
+    rows = _row_sums(ids, g, _acc(g))[2]
     return jnp.sum(rows * rows)
 
 
@@ -286,6 +289,17 @@ def storable(grad: FactoredGrad) -> LinearTerm | None:
     return linear[0] if ok else None
 
 
+def instantiated(term: Term) -> jax.Array:
+    """A linear or dense term's per-example gradients (B, *shape) at float32 or wider, the products exact
+    (`_dot`: bf16 stays bf16 into a float32 accumulation, float32 never runs as TF32) -- what a norm may
+    square. `jaxdp.terms.instantiate` is the plain-einsum version for tests."""
+    if isinstance(term, LinearTerm):
+        return _dot("btp,btd->bpd", term.x_BTP, term.g_BTD)
+    if isinstance(term, DenseTerm):
+        return term.value_B.astype(_acc(term.value_B))
+    raise TypeError(f"instantiated takes linear or dense terms, got {type(term).__name__}")
+
+
 def per_example_gradients(grad: FactoredGrad) -> jax.Array:
     """G_b of every example, (B, *shape), of a `storable` parameter: x_b^T g_b (float32 accumulation,
     float64 for float64), plus each lookup's rows g_bt added at its ids.
@@ -308,12 +322,7 @@ def _add_lookups(G_VD: jax.Array, ids_T: jax.Array, g_TD: jax.Array) -> jax.Arra
     and rounded into G_VD's dtype once (only the <= T rows looked up are read and written)."""
     T, V = ids_T.shape[0], G_VD.shape[0]
     acc = jnp.promote_types(_acc(g_TD), G_VD.dtype)
-    ids_T = ids_T.astype(jnp.int32)
-    order = jnp.argsort(ids_T)
-    ids = ids_T[order]
-    first = jnp.concatenate([jnp.ones((1,), bool), ids[1:] != ids[:-1]])
-    segment = jnp.cumsum(first) - 1  # the distinct id's rank, per sorted lookup
-    sums = jax.ops.segment_sum(g_TD[order].astype(acc), segment, num_segments=T)
+    ids, segment, sums = _row_sums(ids_T.astype(jnp.int32), g_TD, acc)
     rows = jnp.full((T,), V, ids.dtype).at[segment].set(ids)  # each segment's id; unused segments: V
     updated = G_VD.at[rows].get(mode="fill", fill_value=0).astype(acc) + sums
     return G_VD.at[rows].set(updated.astype(G_VD.dtype), mode="drop")  # row V (unused) is dropped

@@ -330,3 +330,39 @@ def test_per_example_grads_in_shard_map_with_check_vma():
     got = sharded_fn(params, x)
     assert got.keys() == expected.keys() == {("linear", "kernel"), ("linear", "bias"), ("scale",)}
     assert max_rel_err(got, expected) <= RTOL
+
+
+def test_context_parallel_norms_of_bf16_partials_are_not_rounded_low():
+    """Context parallel norms instantiate each sequence shard's partial x^T g: in bf16 that partial
+    must not be rounded to bf16 before it is squared. Built to round down: every product
+    (1 + 7/128)(1 + 9/128) = 1.12885 sits just below the bf16 midpoint, so bf16 partials would give a
+    norm 0.34% low while the clipped sum scales the exact x^T g: a contribution of 1.0034 C."""
+    from jaxdp.sharding import context_parallel
+    from jaxdp.terms import FactoredGrad, LinearTerm
+    Bn, Tn, Pn, Dn = 2, 8, 16, 24
+    x = jnp.full((Bn, Tn, Pn), 1 + 7 / 128, jnp.bfloat16)
+    g = jnp.full((Bn, Tn, Dn), 1 + 9 / 128, jnp.bfloat16) * jnp.where(jnp.arange(Tn) % 2 == 0, 1, -1)[:, None]
+    g = g.at[:, -1].multiply(-1)  # the signs do not cancel: 6 of 8 tokens of one sign
+    mesh = sharding.make_mesh(1, 8)
+    norms_fn = jax.jit(jax.shard_map(
+        lambda x, g: context_parallel.squared_norms(FactoredGrad((LinearTerm(x, g),)), sharding.SEQ),
+        mesh=mesh, in_specs=(P(None, sharding.SEQ), P(None, sharding.SEQ)), out_specs=P(), check_vma=False))
+    sq, bound = norms_fn(x, g)
+    G = np.einsum("btp,btd->bpd", np.asarray(x, np.float64), np.asarray(g, np.float64))
+    true = np.sum(G.reshape(Bn, -1) ** 2, axis=1)
+    guarded = np.asarray(jaxdp.clipping.guarded_norms(sq, bound), np.float64)
+    assert np.all(guarded >= np.sqrt(true) * (1 - 1e-6)), (guarded, np.sqrt(true))
+
+
+def test_instantiated_partials_keep_bf16_products_exact():
+    """`norms.instantiated` (what the context-parallel norms square) keeps bf16 x^T g unrounded: on the
+    products built to round down, its norm is exact, while the planted alternative (the einsum rounded
+    to bf16, as `terms.instantiate` gives eagerly) comes out 0.34% low."""
+    from jaxdp import norms
+    from jaxdp.terms import LinearTerm, instantiate
+    x = jnp.full((2, 1, 16), 1 + 7 / 128, jnp.bfloat16)
+    g = jnp.full((2, 1, 24), 1 + 9 / 128, jnp.bfloat16)
+    true = np.sqrt(16 * 24) * (1 + 7 / 128) * (1 + 9 / 128)
+    norm = lambda G: np.linalg.norm(np.asarray(G, np.float64).reshape(2, -1), axis=1)
+    assert np.all(np.abs(norm(norms.instantiated(LinearTerm(x, g))) / true - 1) <= 1e-7)
+    assert np.all(norm(instantiate(LinearTerm(x, g)).astype(jnp.float32)) / true < 1 - 3e-3)  # the plant

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdp import norms as norms_lib
-from jaxdp.terms import EmbedTerm, FactoredGrad, instantiate
+from jaxdp.terms import EmbedTerm, FactoredGrad
 
 
 def _gathered_lookup(term: EmbedTerm, axis: str) -> EmbedTerm:
@@ -58,7 +58,7 @@ def _partial_sq_norms(terms, axis: str, chunk_size: int) -> jax.Array:
     parts = []
     for start in range(0, B, chunk_size):
         stop = min(B, start + chunk_size)
-        partial = sum(instantiate(_slice_term(t, start, stop)).astype(jnp.float32) for t in terms)
+        partial = sum(norms_lib.instantiated(_slice_term(t, start, stop)).astype(jnp.float32) for t in terms)
         flat = partial.reshape(stop - start, -1)
         pad = (-flat.shape[1]) % S
         if pad:
