@@ -310,7 +310,7 @@ def per_example_gradients(grad: FactoredGrad) -> jax.Array:
     before they meet G_b (`_add_lookups`): a bf16 running sum would stall (1000 lookups of 1.0 gave 256).
     """
     linear = storable(grad)
-    total = _dot("btp,btd->bpd", linear.x_BTP, linear.g_BTD).astype(jnp.result_type(linear.x_BTP, linear.g_BTD))
+    total = instantiated(linear).astype(jnp.result_type(linear.x_BTP, linear.g_BTD))
     for term in grad.terms:
         if isinstance(term, EmbedTerm):
             total = jax.vmap(_add_lookups)(total, term.ids_BT, term.g_BTD)
