@@ -6,7 +6,11 @@ sentence snippets of Rotten Tomatoes reviews (Pang & Lee 2004, the source of
 SST) with the mean sentiment of >= 20 human raters in [-4, 4]: one line
 `ID <tab> MEAN-SENTIMENT-RATING <tab> TEXT-SNIPPET`, CRLF line ends. As binary
 sentiment (SST-2 style) a snippet is "positive" above 0, "negative" below, and
-the 37 snippets rated exactly 0 are dropped (10,568 remain).
+the 37 snippets rated exactly 0 are dropped (10,568 remain). The same archive
+rates, in the same format, three other domains (`DOMAINS`: 3,708 Amazon review
+snippets, 5,190 New York Times editorial snippets, 4,200 tweets): public text
+from other domains, e.g. to give a small model sentiment words before it is
+fine-tuned on the movie snippets.
 
 Each becomes one jsonl document `{"text": "<snippet>\\nSentiment: positive", "id": 17,
 "score": 1.47, "label": "positive"}` that the training job reads by
@@ -36,16 +40,23 @@ from flax import nnx
 
 SDIST = "vaderSentiment==3.3.2"
 INNER_ARCHIVE = "additional_resources/hutto_ICWSM_2014.tar.gz"   # inside the sdist's top directory
-SNIPPETS_FILE = "hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt"  # inside INNER_ARCHIVE
+# each domain's rated snippets, inside INNER_ARCHIVE
+DOMAINS = {"movie": "hutto_ICWSM_2014/movieReviewSnippets_GroundTruth.txt",
+           "amazon": "hutto_ICWSM_2014/amazonReviewSnippets_GroundTruth.txt",
+           "nyt": "hutto_ICWSM_2014/nytEditorialSnippets_GroundTruth.txt",
+           "tweets": "hutto_ICWSM_2014/tweets_GroundTruth.txt"}
+SNIPPETS_FILE = DOMAINS["movie"]              # the fine-tuning task
 PROMPT = "\nSentiment:"                       # between the snippet and the label
 LABELS = ("negative", "positive")             # label i's continuation is " " + LABELS[i]
 
 
-def parse_snippets(text: str, source: str = SNIPPETS_FILE) -> list[tuple[int, float, str]]:
-    """(id, mean rating, snippet) of each line of `movieReviewSnippets_GroundTruth.txt`'s text.
+def parse_snippets(text: str, source: str = SNIPPETS_FILE) -> list[tuple[int | str, float, str]]:
+    """(id, mean rating, snippet) of each line of a `*_GroundTruth.txt`'s text (`DOMAINS`).
+
+    The id is an int where the file's is one (movie, tweets), else the file's text ("12_3": Amazon, NYT).
 
     Raises:
-      ValueError: a line without three tab-separated fields, or a non-numeric id / rating
+      ValueError: a line without three tab-separated fields, an empty id or a non-numeric rating
         (the message names `source` and the line).
     """
     rows = []
@@ -55,31 +66,36 @@ def parse_snippets(text: str, source: str = SNIPPETS_FILE) -> list[tuple[int, fl
         parts = line.split("\t")
         if len(parts) != 3:
             raise ValueError(f"{source}:{lineno}: expected ID<tab>RATING<tab>SNIPPET, got {len(parts)} field(s)")
+        uid = parts[0].strip()
         try:
-            rows.append((int(parts[0]), float(parts[1]), parts[2].strip()))
+            if not uid:
+                raise ValueError
+            rows.append((int(uid) if uid.isdigit() else uid, float(parts[1]), parts[2].strip()))
         except ValueError:
-            raise ValueError(f"{source}:{lineno}: ID must be an integer and RATING a number, got "
+            raise ValueError(f"{source}:{lineno}: ID must be non-empty and RATING a number, got "
                              f"{parts[0]!r}, {parts[1]!r}") from None
     if not rows:
         raise ValueError(f"{source}: no snippets")
     return rows
 
 
-def read_snippets(path: str | os.PathLike) -> list[tuple[int, float, str]]:
-    """`parse_snippets` of a file: the extracted `movieReviewSnippets_GroundTruth.txt`, the inner
-    `hutto_ICWSM_2014.tar.gz`, or the `vaderSentiment-3.3.2.tar.gz` sdist itself (read in memory)."""
-    path = pathlib.Path(path)
+def read_snippets(path: str | os.PathLike, domain: str = "movie") -> list[tuple[int | str, float, str]]:
+    """`parse_snippets` of `domain`'s file (`DOMAINS`) in the `vaderSentiment-3.3.2.tar.gz` sdist or
+    its inner `hutto_ICWSM_2014.tar.gz` (read in memory), or of an extracted `*_GroundTruth.txt`."""
+    if domain not in DOMAINS:
+        raise ValueError(f"domain must be one of {sorted(DOMAINS)}, got {domain!r}")
+    path, member = pathlib.Path(path), DOMAINS[domain]
     if not path.is_file():
         raise ValueError(f"no such file: {path}")
     if path.name.endswith((".tar.gz", ".tgz")):
         data = _member(path.read_bytes(), INNER_ARCHIVE, str(path))
         if data is not None:  # the sdist: open the inner archive
-            data = _member(data, SNIPPETS_FILE, f"{path}:{INNER_ARCHIVE}")
+            data = _member(data, member, f"{path}:{INNER_ARCHIVE}")
         else:
-            data = _member(path.read_bytes(), SNIPPETS_FILE, str(path))
+            data = _member(path.read_bytes(), member, str(path))
         if data is None:
-            raise ValueError(f"{path}: holds neither {INNER_ARCHIVE} nor {SNIPPETS_FILE}")
-        return parse_snippets(data.decode("utf-8"), f"{path}:{SNIPPETS_FILE}")
+            raise ValueError(f"{path}: holds neither {INNER_ARCHIVE} nor {member}")
+        return parse_snippets(data.decode("utf-8"), f"{path}:{member}")
     return parse_snippets(path.read_bytes().decode("utf-8"), str(path))
 
 
@@ -111,7 +127,7 @@ def split_text(text: str) -> tuple[str, str] | None:
     return (snippet, label) if sep and label in LABELS else None
 
 
-def write_sentiment_jsonl(snippets: Sequence[tuple[int, float, str]], out: str | os.PathLike) -> int:
+def write_sentiment_jsonl(snippets: Sequence[tuple[int | str, float, str]], out: str | os.PathLike) -> int:
     """Writes the binary-sentiment jsonl of `snippets` (neutral ones dropped); returns the lines written."""
     out = pathlib.Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

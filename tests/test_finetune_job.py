@@ -77,6 +77,28 @@ def task(tmp_path_factory):
     return path, snippets
 
 
+def test_other_domains_of_the_archive(tmp_path):
+    """Amazon / NYT ids are text ("1_2"); a domain is read from its own member; bad domains are named."""
+    amazon = "1_1\t-0.9\tno picture at all.\r\n1_2\t1.5\tworks great.\r\n"
+    archive = tmp_path / "hutto_ICWSM_2014.tar.gz"
+    archive.write_bytes(_tar_gz({tasks.SNIPPETS_FILE: snippets_file_text(4).encode(),
+                                 tasks.DOMAINS["amazon"]: amazon.encode()}))
+    assert tasks.read_snippets(archive, "amazon") == [("1_1", -0.9, "no picture at all."), ("1_2", 1.5, "works great.")]
+    assert [uid for uid, _, _ in tasks.read_snippets(archive)] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"domain must be one of \['amazon', 'movie', 'nyt', 'tweets'\], got 'imdb'"):
+        tasks.read_snippets(archive, "imdb")
+    with pytest.raises(ValueError, match="holds neither .* nor hutto_ICWSM_2014/tweets_GroundTruth.txt"):
+        tasks.read_snippets(archive, "tweets")
+    out = tmp_path / "other.jsonl"
+    cli = [sys.executable, "-m", "experiments.rotten_tomatoes", f"--source={archive}", f"--out={out}"]
+    done = subprocess.run(cli + ["--domains=movie,amazon"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [
+        "movie:1", "movie:2", "movie:3", "movie:4", "amazon:1_1", "amazon:1_2"]
+    bad = subprocess.run(cli + ["--domains=movie,imdb"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --domains") and "imdb" in bad.stderr
+
+
 @pytest.fixture(scope="module")
 def init_run(task, tmp_path_factory):
     """A tiny GPT-2 in a pretrain_gpt2 run directory (the files fine-tuning reads from it)."""
