@@ -24,9 +24,11 @@ which leaves n = sqrt(s) wherever the bound is negligible (E <= delta s+,
 every example of ordinary data at the test sizes), and otherwise adds the
 bound. Then true^2 <= s + E <= n^2 (1 + delta): every example's clipped
 contribution is at most C * SENSITIVITY_FACTOR, SENSITIVITY_FACTOR =
-sqrt(1 + delta) (1 + 1.2e-4), and the noise is calibrated to that
+sqrt(1 + delta) = 1.000122, and the noise is calibrated to that
 sensitivity (`jaxdp.noise.noise_std`), so the privacy guarantee holds as
-accounted.
+accounted. This assumes the norm and the clipped sum see the same values:
+below float32 `jaxdp.per_example.use_terms` makes sure of it (one rounding
+of the recorded terms for every consumer, whatever XLA's excess precision).
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
         (sum_b clip(G_b) + N(0, sigma^2 C'^2 I)) / expected_batch_size,   C' = C * SENSITIVITY_FACTOR
 
     on the last micro-step of each logical batch, and zeros on the others
-    (`jaxdp.clipping.SENSITIVITY_FACTOR` = 1 + 1.2e-4 covers the rounding of
+    (`jaxdp.clipping.SENSITIVITY_FACTOR` = sqrt(1 + 2**-12) = 1.000122 covers the rounding of
     per-example norms, so C' is a sensitivity that holds in floating point).
 
     Formal guarantee: with Poisson sampling at rate q = expected_batch_size / N,

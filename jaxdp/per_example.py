@@ -147,9 +147,19 @@ def term_slots(use: _tape.Use):
 
 
 def use_terms(use: _tape.Use, g, record) -> dict:
-    """{parameter name: term} of one use from its output gradient and recorded input."""
+    """{parameter name: term} of one use from its output gradient and recorded input.
+
+    Below float32 (bf16, f16) `g` and `record` first pass an optimization barrier, so that every
+    consumer of the terms (the norm, the clipped sum) reads the same rounded values. Without it XLA's
+    excess precision (on by default) may hand a consumer that upcasts a bf16 value its unrounded
+    float32 producer instead, while another reads the bf16 value: a norm of one rounding and a sum of
+    the other, and one example's clipped contribution up to 1.0005 C (tiny bf16 GPT-2 with an adapter,
+    the job's jitted step; tests/test_norm_rounding.py).
+    """
     if jnp.issubdtype(use.record_dtype, jnp.integer):
         record = record.astype(use.record_dtype)
+    if any(jnp.issubdtype(v.dtype, jnp.floating) and jnp.finfo(v.dtype).bits < 32 for v in (g, record)):
+        g, record = jax.lax.optimization_barrier((g, record))
     return use.terms_fn(record, g)
 
 
