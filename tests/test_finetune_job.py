@@ -28,6 +28,7 @@ from jaxdp import finetune_job, nn, tasks, training
 from jaxdp.losses import completion_losses, lm_losses
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.hf_gpt2 import save_hf_gpt2
+from jaxdp.training import receipt as receipt_lib
 from jaxdp.training import run_dir
 from jaxdp.tokenizer import Tokenizer, train_bpe_tokenizer
 
@@ -178,6 +179,17 @@ def test_run_directory_of_the_pretraining_job(lora_run, init_run):
     receipt = json.loads((p.workdir / "privacy.json").read_text())
     assert receipt["dp"] and 0 < receipt["epsilon"] <= 8 and receipt["unit"] == "document"
     assert "accuracy" in json.dumps(receipt["outside_the_guarantee"])
+    # the init weights: needed to use the model, outside this epsilon (the attacker's review, 2026-11-24)
+    assert receipt["guarantee"].endswith("given the tokenizer and the init weights (see outside_the_guarantee)")
+    assert receipt["init_weights"]["path"] == str(init_run) and "the init weights (config.finetune.init)" in \
+        receipt["outside_the_guarantee"]
+    assert receipt["init_weights"]["their_guarantee"].startswith("unknown")  # init_run has no privacy.json
+    (init_run / "privacy.json").write_text(json.dumps({"dp": True, "guarantee": "(2, 1e-05)-DP for ..."}))
+    try:
+        known = receipt_lib._init_weights(p.config)["their_guarantee"]
+    finally:
+        (init_run / "privacy.json").unlink()
+    assert known == "(2, 1e-05)-DP for ..."
     saved = json.loads((p.workdir / "config.json").read_text())
     assert saved["model"] == MODEL and saved["data"]["tokenizer"] == str((init_run / "tokenizer").resolve())
     assert p.tokenizer.fingerprint == Tokenizer.load(init_run / "tokenizer").fingerprint

@@ -50,6 +50,26 @@ OUTSIDE_THE_GUARANTEE = {
 }
 
 
+def _init_weights(config) -> dict | None:
+    """A fine-tuning run's init weights (`config.finetune.init`) and what is known of their privacy."""
+    if "finetune" not in config:
+        return None
+    init = pathlib.Path(str(config.finetune.init)).expanduser()
+    try:
+        own = json.loads((init / PRIVACY_FILE).read_text())
+    except (OSError, ValueError):
+        own = None
+    if own is None:
+        known = "unknown (no privacy.json: e.g. a published checkpoint, whose privacy is its publisher's)"
+    else:
+        known = own.get("guarantee") or own.get("note") or "not stated"
+    return {"path": str(init), "their_guarantee": known,
+            "note": "needed to use the model (model/params.npz holds only the trained parameters); epsilon "
+                    "covers the fine-tuning data only. If the init weights were trained on the same private "
+                    "data, the two runs compose: the data's privacy is at best the sum of both epsilons "
+                    "(and deltas)"}
+
+
 def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
                     overflowed_steps: int, audit_lower_bound: float | None = None) -> dict:
     """The receipt of a run of `config` (`prepared` = `prepare(config)`) after `steps` steps."""
@@ -58,10 +78,14 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         return {"dp": False, "guarantee": None,
                 "note": "non-DP baseline (config.dp.enabled=False): no privacy guarantee"}
     sampler, unit, k = p.sampler, config.privacy.unit, config.privacy.windows_per_unit
+    init = _init_weights(config)
+    given = ([] if config.data.tokenizer == "gpt2" else ["the tokenizer"]) + ([] if init is None else ["the init weights"])
+    outside = OUTSIDE_THE_GUARANTEE if init is None else {
+        **OUTSIDE_THE_GUARANTEE, "the init weights (config.finetune.init)": f"see init_weights: {init['note']}"}
     return {
         "dp": True,
         "guarantee": f"({epsilon:.6g}, {p.delta:.3g})-DP for adding or removing one training {unit}" + (
-            "" if config.data.tokenizer == "gpt2" else ", given the tokenizer (see outside_the_guarantee)"),
+            f", given {' and '.join(given)} (see outside_the_guarantee)" if given else ""),
         "unit": unit,
         "unit_note": _unit_note(config),
         "adjacency": f"add or remove one {unit}" + (" (all its windows)" if unit != "window" else ""),
@@ -104,7 +128,8 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         "randomness": ("config.seed pinned: the guarantee assumes the seed is secret" if p.seed_pinned else
                        "a 128-bit root seed from the operating system, kept only in checkpoints/"),
         "audit_lower_bound": audit_lower_bound,
-        "outside_the_guarantee": OUTSIDE_THE_GUARANTEE,
+        **({} if init is None else {"init_weights": init}),
+        "outside_the_guarantee": outside,
     }
 
 
