@@ -94,7 +94,7 @@ def step_memory(config: GPT2Config, method: str, *, dp: bool, batch_size: int, s
     graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
     opt_graphdef, opt_state = nnx.split(optimizer)
     grads_fn = per_example_grads(lm_losses, fallback=False)
-    sums_fn = two_pass_clipped_sums(lm_losses, 1.0, fallback=False)
+    sums_fn = two_pass_clipped_sums(lm_losses, 1.0, fallback=False, allow_low_precision=True)  # memory only
 
     def step(params, opt_state, frozen, batch):
         model = nnx.merge(graphdef, params, frozen)

@@ -37,6 +37,16 @@ the same forward, so it adds exact zeros.
 
 Flat clipping only: per-group factors would need a different weight per
 group inside one backward pass.
+
+Float32 only. Pass 2 scales example b's output gradient by c_b at the top
+and runs the backward again; below float32 every layer rounds the scaled
+gradients differently from pass 1's unscaled ones, so c_b times pass 2's
+gradient is not c_b times the gradient pass 1 measured: in bfloat16 one
+example's contribution reached 1.0026 C (tiny GPT-2, 6 seeds), over the
+C * SENSITIVITY_FACTOR = 1.000122 C the noise is calibrated to. A model that
+records bf16 / f16 values is refused (`allow_low_precision=True` runs it
+anyway, for memory and speed measurements that release nothing); the
+book-keeping step (`per_example_grads` + `fused_clip`) bounds bf16 exactly.
 """
 
 from __future__ import annotations
@@ -64,7 +74,8 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str 
                           gamma: float = 0.01, strategy: str = "auto",
                           chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE,
                           memory_budget_bytes: int = norms_lib.DEFAULT_MEMORY_BUDGET_BYTES,
-                          fallback: bool = True, squared_norms_fn: norms_lib.SquaredNormsFn | None = None):
+                          fallback: bool = True, squared_norms_fn: norms_lib.SquaredNormsFn | None = None,
+                          allow_low_precision: bool = False):
     """Makes `fn(model, batch) -> (losses, sums, norms)`: flat-clipped per-example gradient sums in two passes.
 
     `sums` has the structure of `nnx.state(model, nnx.Param)` and equals the
@@ -82,6 +93,11 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str 
       fallback: as `per_example_grads`.
       squared_norms_fn: `FactoredGrad -> (squared norms (B,), rounding bound (B,))`;
         the context-parallel step passes `jaxdp.sharding.context_parallel.squared_norms`.
+      allow_low_precision: run a model that records values below float32 (bf16, f16), whose
+        contributions the clip does not bound (module docstring): memory / speed measurements only.
+
+    Raises (when `fn` is traced):
+      ValueError: a DP layer records a value below float32 and `allow_low_precision` is False.
     """
     if not l2_norm_clip > 0:
         raise ValueError(f"l2_norm_clip must be > 0, got {l2_norm_clip}")
@@ -94,6 +110,15 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str 
 
     def fn(model: nnx.Module, batch):
         graphdef, params, rest, uses, axes, losses_of = discover(loss_fn, model, batch)
+        low = [(k, v.dtype) for k, u in uses.items() for v in (u.y, u.record) if _below_float32(v.dtype)]
+        if low and not allow_low_precision:
+            raise ValueError(
+                f"two_pass_clipped_sums: the model records {jnp.dtype(low[0][1]).name} values (at {low[0][0]}); "
+                "below float32 the clip-weighted second pass rounds differently from the norms' pass and one "
+                "example's contribution can exceed C (seen: 1.0026 C in bfloat16), so the noise would not cover "
+                "it. Use the book-keeping step (per_example_grads + fused_clip; ShardedDPStep "
+                "method='bookkeeping') or float32; allow_low_precision=True runs it without a guarantee "
+                "(memory / speed measurements only)")
         names = {k: tuple(jax.eval_shape(lambda r, g, u=u: use_terms(u, g, r), u.record, u.y))
                  for k, u in uses.items()}
         uses_of: dict[tuple, int] = {}
@@ -159,6 +184,10 @@ def _self_norms(use, names, dtype, squared_norms_fn, record, g) -> dict:
     """(squared norms, rounding bound), shape (2, B), of this use's single-use parameters (`_norm_tap`'s backward)."""
     terms = use_terms(use, g, record)
     return {n: jnp.stack(squared_norms_fn(FactoredGrad((terms[n],)))).astype(dtype) for n in names}
+
+
+def _below_float32(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
 def _replace_dropped(batch, keep_B, B):

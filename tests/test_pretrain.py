@@ -409,6 +409,7 @@ def _existing_run_dir(path):
     ({"dp.clipping": "per_example"}, "clipping"),
     ({"dp.method": "ghost"}, "dp.method"),
     ({"dp.method": "two_pass", "dp.clipping": "per_layer"}, "needs config.dp.clipping='flat'"),
+    ({"dp.method": "two_pass", "dtype": "bfloat16"}, "needs config.dtype='float32'"),
     ({"dp.method": "two_pass", "accumulation_steps": 2}, "accumulation_steps"),
     ({"dp.method": "two_pass", "dp.strategy": "pallas"}, "dp.strategy.*GPU"),  # CPU only
     ({"checkpoint_every": 3, "log_every": 2}, "log_every"),

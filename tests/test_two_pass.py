@@ -119,3 +119,15 @@ def test_bad_input():
         two_pass.two_pass_clipped_sums(lm_loss, 1.0, strategy="fast")
     with pytest.raises(ValueError, match="loss_fn"):
         two_pass.two_pass_clipped_sums(lambda m, b: lm_loss(m, b).mean(), 1.0)(tiny_gpt2(), lm_batch(0))
+
+
+def test_below_float32_is_refused():
+    """bf16: pass 2 scales each example's output gradient by c_b before a bf16 backward, which rounds unlike
+    pass 1's unscaled one: one example's contribution reached 1.0026 C (tiny GPT-2, 2026-11-24), over the
+    C * SENSITIVITY_FACTOR the noise covers. Refused, naming the way out; allow_low_precision runs it."""
+    model, batch = tiny_gpt2(3, dtype="bfloat16"), lm_batch(3, B=2)
+    with pytest.raises(ValueError, match="records bfloat16 values .*book-keeping"):
+        two_pass.two_pass_clipped_sums(lm_loss, 1.0)(model, batch)
+    shapes = nnx.eval_shape(lambda m: two_pass.two_pass_clipped_sums(lm_loss, 1.0, allow_low_precision=True)(m, batch),
+                            model)
+    assert shapes[2].shape == (2,)

@@ -171,7 +171,7 @@ class ShardedDPStep:
                  key: jax.Array | None = None, zero_stage: int = 0, clipping="flat", clip_fn: str = "abadi",
                  gamma: float = 0.01, strategy: str = "auto", group_weights=None,
                  chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE, private: bool = True,
-                 method: str = "bookkeeping"):
+                 method: str = "bookkeeping", allow_low_precision: bool = False):
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
         if method not in METHODS:
@@ -191,6 +191,7 @@ class ShardedDPStep:
         check_mesh_strategy(strategy)
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
         self.zero_stage, self.private, self.method = zero_stage, private, method
+        self.allow_low_precision = allow_low_precision  # two_pass below float32: measurements only (jaxdp.two_pass)
         self.key = noise_lib.check_key(key, "ShardedDPStep")
         self.noise_std = noise_lib.noise_std(l2_norm_clip, noise_multiplier) if private else 0.0
         self.expected_batch_size = expected_batch_size
@@ -277,7 +278,8 @@ class ShardedDPStep:
         if self.method == "two_pass":
             losses, sums, _ = two_pass_clipped_sums(
                 loss_fn, self.l2_norm_clip, clip_fn=kw["clip_fn"], gamma=kw["gamma"], strategy=kw["strategy"],
-                chunk_size=kw["chunk_size"], squared_norms_fn=norms_fn)(model, batch)
+                chunk_size=kw["chunk_size"], squared_norms_fn=norms_fn,
+                allow_low_precision=self.allow_low_precision)(model, batch)
             return losses, sums
         losses, grads = per_example_grads(loss_fn)(model, batch)
         sums, _ = clipped_aggregate(grads, self.l2_norm_clip, squared_norms_fn=norms_fn, **kw)

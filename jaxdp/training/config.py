@@ -218,6 +218,10 @@ def validate_config(config) -> None:
                  f"config.dp.method='two_pass' needs config.dp.clipping='flat', got {dp.clipping!r}")
         _require(dp.strategy != "reference",
                  "config.dp.method='two_pass' cannot run with config.dp.strategy='reference' (the vmap baseline)")
+        _require(config.dtype == "float32",
+                 f"config.dp.method='two_pass' needs config.dtype='float32', got {config.dtype!r}: below float32 "
+                 "its second pass rounds differently from the norms and the clip no longer bounds one unit's "
+                 "contribution (jaxdp.two_pass); use config.dp.method='bookkeeping' for bfloat16")
     _require(dp.overflow in OVERFLOW_MODES,
              f"config.dp.overflow must be one of {OVERFLOW_MODES}, got {dp.overflow!r}")
     if dp.enabled:
