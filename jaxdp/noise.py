@@ -131,10 +131,12 @@ def gaussians(leaf_keys, leaves, std: float, shards=None) -> list[jax.Array]:
 
     `shards[i]` (None, or a traced device index): leaf i is this device's block of a
     reduce-scattered gradient, drawn from `fold_in(leaf_keys[i], shards[i])`. Leaves of
-    one shape, dtype and sharding draw in ONE vmapped call: the values are those of
-    one call per leaf, but the program holds one random-number generator per group
-    (GPT-2 small: 13 instead of 148; the per-leaf draws made up 2/3 of the DP step's
-    HLO and most of its compile time).
+    one shape, dtype and sharding draw in ONE vmapped call, so the program holds one
+    random-number generator per group (GPT-2 small: 13 instead of 148; the per-leaf draws
+    made up 2/3 of the DP step's HLO and most of its compile time). With the rbg keys
+    (`NOISE_IMPL`) the vmapped draw is not bit-equal to one call per leaf (only a group's
+    first leaf is): the leaves' noise is still independent N(0, std^2), and leaves grouped
+    the same way get the same values (one device and a mesh without ZeRO 2/3 sharding).
     """
     shards = [None] * len(leaves) if shards is None else list(shards)
     groups: dict = {}
