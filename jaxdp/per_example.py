@@ -158,9 +158,14 @@ def use_terms(use: _tape.Use, g, record) -> dict:
     """
     if jnp.issubdtype(use.record_dtype, jnp.integer):
         record = record.astype(use.record_dtype)
-    if any(jnp.issubdtype(v.dtype, jnp.floating) and jnp.finfo(v.dtype).bits < 32 for v in (g, record)):
+    if below_float32(g.dtype) or below_float32(record.dtype):
         g, record = jax.lax.optimization_barrier((g, record))
     return use.terms_fn(record, g)
+
+
+def below_float32(dtype) -> bool:
+    """A floating dtype of fewer than 32 bits (bf16, f16): one whose rounding the DP paths must pin."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
 def add_fallback_terms(terms_by_path: dict, loss_fn, graphdef, params, rest, batch, fallback: bool) -> None:

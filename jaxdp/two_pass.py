@@ -63,6 +63,7 @@ from jaxdp import norms as norms_lib
 from jaxdp.per_example import (
     LossFn,
     add_fallback_terms,
+    below_float32,
     discover,
     term_slots,
     use_terms,
@@ -110,7 +111,7 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str 
 
     def fn(model: nnx.Module, batch):
         graphdef, params, rest, uses, axes, losses_of = discover(loss_fn, model, batch)
-        low = [(k, v.dtype) for k, u in uses.items() for v in (u.y, u.record) if _below_float32(v.dtype)]
+        low = [(k, v.dtype) for k, u in uses.items() for v in (u.y, u.record) if below_float32(v.dtype)]
         if low and not allow_low_precision:
             raise ValueError(
                 f"two_pass_clipped_sums: the model records {jnp.dtype(low[0][1]).name} values (at {low[0][0]}); "
@@ -184,10 +185,6 @@ def _self_norms(use, names, dtype, squared_norms_fn, record, g) -> dict:
     """(squared norms, rounding bound), shape (2, B), of this use's single-use parameters (`_norm_tap`'s backward)."""
     terms = use_terms(use, g, record)
     return {n: jnp.stack(squared_norms_fn(FactoredGrad((terms[n],)))).astype(dtype) for n in names}
-
-
-def _below_float32(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
 def _replace_dropped(batch, keep_B, B):
