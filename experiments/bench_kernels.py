@@ -13,7 +13,7 @@ Median time per call after warm-up, achieved TFLOP/s and time as a ratio to
 the non-DP GEMM (first table).
 
 Where the time goes (second table): each method's FLOPs and compulsory HBM
-bytes (`_counts`: `norms.pair_cost` for the XLA norm paths, the counts of the
+bytes (`_counts`: `norm_costs.pair_cost` for the XLA norm paths, the counts of the
 `jaxdp/pallas` module docstrings for the kernels), arithmetic intensity, the
 roofline floor max(FLOPs / R, bytes / W) and the fraction of it achieved.
 R and W are measured in this process: R the best TFLOP/s of a plain square
@@ -85,7 +85,7 @@ def _counts(B, T, P, D, itemsize):
     once (float32); tile re-reads of x and g (which L2 mostly absorbs) are not
     counted, so these are lower bounds.
     """
-    from jaxdp.norms import pair_cost
+    from jaxdp.norm_costs import pair_cost
     from jaxdp.pallas import _common, ghost_norms, linear_norms, single_pass
 
     io = B * T * (P + D) * itemsize  # x and g read once

@@ -16,7 +16,7 @@ from absl import app, flags
 
 from jaxdp import device_rates
 from jaxdp.models.gpt2 import GPT2Config
-from jaxdp.norms import DEFAULT_MEMORY_BUDGET_BYTES, choose_method, linear_layer_cost, pair_cost, plan_stored
+from jaxdp.norm_costs import DEFAULT_MEMORY_BUDGET_BYTES, choose_method, linear_layer_cost, pair_cost, plan_stored
 
 FLAGS = flags.DEFINE_integer("batch_size", 8, "examples per micro-batch (B)")
 CHUNK = flags.DEFINE_integer("chunk_size", 8, "examples per norm chunk")

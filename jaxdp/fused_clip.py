@@ -13,6 +13,7 @@ import optax
 from jaxdp import clipping as clipping_lib
 from jaxdp import device_rates
 from jaxdp import noise as noise_lib
+from jaxdp import norm_costs
 from jaxdp import norms as norms_lib
 from jaxdp.terms import DenseTerm, FactoredGrad, as_factored, is_factored
 
@@ -49,8 +50,8 @@ def flatten_grads(grads):
 def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: str = "abadi",
                       gamma: float = 0.01, strategy: str = "auto",
                       group_weights: Mapping[Hashable, float] | None = None,
-                      chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE,
-                      memory_budget_bytes: int = norms_lib.DEFAULT_MEMORY_BUDGET_BYTES,
+                      chunk_size: int = norm_costs.DEFAULT_CHUNK_SIZE,
+                      memory_budget_bytes: int = norm_costs.DEFAULT_MEMORY_BUDGET_BYTES,
                       store_budget_bytes: int | None = None,
                       squared_norms_fn: norms_lib.SquaredNormsFn | None = None):
     """Sum over examples of clipped per-example gradients, and per-group norms.
@@ -190,7 +191,7 @@ def _materialized_sums(dense: dict, groups, factors: dict) -> dict:
 def _stored_gradients(factored, strategy: str, chunk_size: int, memory_budget_bytes: int,
                       store_budget_bytes: int | None) -> dict:
     """{parameter index: per-example gradients (B, *shape)} of the linear layers (with the tied
-    embedding's lookups) whose G_b are kept (`jaxdp.norms.plan_stored`): all of them with strategy
+    embedding's lookups) whose G_b are kept (`jaxdp.norm_costs.plan_stored`): all of them with strategy
     "store", the planned ones with "auto"."""
     if strategy not in ("auto", "store"):
         return {}
@@ -201,8 +202,8 @@ def _stored_gradients(factored, strategy: str, chunk_size: int, memory_budget_by
         rates = device_rates.current()
         budget = store_budget_bytes if store_budget_bytes is not None else rates.store_budget_bytes(
             memory_budget_bytes)
-        keep = norms_lib.plan_stored(shapes, rates, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes,
-                                     store_budget_bytes=budget)
+        keep = norm_costs.plan_stored(shapes, rates, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes,
+                                      store_budget_bytes=budget)
         linear = {i: t for i, t in linear.items() if i in keep}
     return {i: norms_lib.per_example_gradients(factored[i]) for i in linear}
 
@@ -218,8 +219,8 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
                key: jax.Array | None = None, clipping="flat", clip_fn: str = "abadi", strategy: str = "auto",
                accumulation_steps: int = 1, gamma: float = 0.01,
                group_weights: Mapping[Hashable, float] | None = None,
-               chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE,
-               memory_budget_bytes: int = norms_lib.DEFAULT_MEMORY_BUDGET_BYTES,
+               chunk_size: int = norm_costs.DEFAULT_CHUNK_SIZE,
+               memory_budget_bytes: int = norm_costs.DEFAULT_MEMORY_BUDGET_BYTES,
                store_budget_bytes: int | None = None,
                ) -> optax.GradientTransformation:
     """DP-SGD aggregation: clip per example, sum, add Gaussian noise once per logical batch.

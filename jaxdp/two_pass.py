@@ -59,6 +59,7 @@ from flax import nnx
 
 from jaxdp import _tape
 from jaxdp import clipping as clipping_lib
+from jaxdp import norm_costs
 from jaxdp import norms as norms_lib
 from jaxdp.per_example import (
     LossFn,
@@ -73,8 +74,8 @@ from jaxdp.terms import FactoredGrad
 
 def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str = "abadi",
                           gamma: float = 0.01, strategy: str = "auto",
-                          chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE,
-                          memory_budget_bytes: int = norms_lib.DEFAULT_MEMORY_BUDGET_BYTES,
+                          chunk_size: int = norm_costs.DEFAULT_CHUNK_SIZE,
+                          memory_budget_bytes: int = norm_costs.DEFAULT_MEMORY_BUDGET_BYTES,
                           fallback: bool = True, squared_norms_fn: norms_lib.SquaredNormsFn | None = None,
                           allow_low_precision: bool = False):
     """Makes `fn(model, batch) -> (losses, sums, norms)`: flat-clipped per-example gradient sums in two passes.

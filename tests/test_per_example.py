@@ -125,7 +125,7 @@ def test_accounting_bad_delta():
 
 
 def test_auto_strategy_follows_cost_model():
-    from jaxdp.norms import choose_method
+    from jaxdp.norm_costs import choose_method
     # fastDP's rule where memory allows: ghost iff 2 T^2 < P D.
     assert choose_method("linear", B=8, T=128, P=768, D=3072) == "ghost"
     assert choose_method("linear", B=8, T=4096, P=768, D=3072) == "instantiate"
@@ -140,7 +140,7 @@ def test_auto_stores_per_example_gradients_where_faster():
     """With H100 rates, GPT-2 small's block layers keep G_b at T = 1024 (the clipped-sum GEMM is
     skipped), not at T = 128 (ghost norms are cheaper than writing G_b); the budget caps the total."""
     from jaxdp import device_rates
-    from jaxdp.norms import linear_layer_cost, plan_stored
+    from jaxdp.norm_costs import linear_layer_cost, plan_stored
     d = 768
     layers = {"c_attn": (d, 3 * d), "c_proj": (d, d), "c_fc": (d, 4 * d), "mlp_proj": (4 * d, d)}
     h100 = device_rates.H100

@@ -36,6 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxdp import norm_costs
 from jaxdp import norms as norms_lib
 from jaxdp.terms import EmbedTerm, FactoredGrad
 
@@ -69,7 +70,7 @@ def _partial_sq_norms(terms, axis: str, chunk_size: int) -> jax.Array:
 
 
 def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
-                  chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
+                  chunk_size: int = norm_costs.DEFAULT_CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
     """Exact per-example squared norms (B,) of a gradient whose terms are sequence-shard partials,
     and their rounding bound (B,) (`jaxdp.norms.rounding_bound` of the whole sequence)."""
     partials = [t for t in grad.terms if not isinstance(t, EmbedTerm)]

@@ -65,6 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp import clipping as clipping_lib
 from jaxdp import noise as noise_lib
+from jaxdp import norm_costs
 from jaxdp import norms as norms_lib
 from jaxdp.fused_clip import clipped_aggregate
 from jaxdp.per_example import per_example_grads
@@ -170,7 +171,7 @@ class ShardedDPStep:
                  l2_norm_clip: float, noise_multiplier: float, expected_batch_size: float,
                  key: jax.Array | None = None, zero_stage: int = 0, clipping="flat", clip_fn: str = "abadi",
                  gamma: float = 0.01, strategy: str = "auto", group_weights=None,
-                 chunk_size: int = norms_lib.DEFAULT_CHUNK_SIZE, private: bool = True,
+                 chunk_size: int = norm_costs.DEFAULT_CHUNK_SIZE, private: bool = True,
                  method: str = "bookkeeping", allow_low_precision: bool = False):
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
