@@ -16,7 +16,12 @@ XLA:GPU can compile for an H100 on a machine without one (`jax.experimental.topo
             GEMM FLOPs of the jaxdp.pallas kernels (opaque Triton calls: counted
             from their names and operand shapes);
   bytes     per kernel, its operands' and result's bytes: what it reads from and
-            writes to device memory if nothing stays in cache.
+            writes to device memory if nothing stays in cache, except where the kernel
+            touches part of a buffer: an operand read only through slices
+            (dynamic-slice, slice, gather) costs the slices; an in-place update
+            (dynamic-update-slice, scatter, whose output shares the operand's buffer: a
+            scan's stacked residuals and gradients, the embedding's scatter-add) costs the
+            updated region, written (and for scatter read), not the whole buffer.
 
 `roofline_seconds(cost, rates)` sums max(flops / matmul rate, bytes / bandwidth)
 over kernels: a prediction of the device time, to be checked against a profile.
@@ -31,11 +36,14 @@ import pathlib
 import re
 
 from jaxdp.device_rates import DeviceRates
-from jaxdp.sharding.collectives import _ARRAY, _array_bytes, _counts, parse_hlo
+from jaxdp.sharding.collectives import _ARRAY, _COMPUTATION, _array_bytes, _counts, parse_hlo
 
 _NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional", "call",
                 "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain"}
 _OPERAND = re.compile(r"%([\w.\-]+)")
+_ROOT = re.compile(r"^\s*ROOT\s+%?([\w.\-]+)\s*=")
+_SLICING = {"dynamic-slice", "slice", "gather"}      # read part of operand 0
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode: position of the update (the rest of operand 0 kept)
 _DIMS = re.compile(r"(lhs|rhs)_(contracting|batch)_dims=\{([0-9,]*)\}")
 
 
@@ -112,10 +120,87 @@ def _pallas_flops(kernel: str, shapes: list[list[int]]) -> float:
     return 2.0 * rows * P * D
 
 
+def _operands(rest: str) -> list[str]:
+    return _OPERAND.findall(rest.split("),")[0])
+
+
+def _roots(hlo: str) -> dict[str, str]:
+    """{computation: its ROOT instruction's name}."""
+    roots, current = {}, None
+    for line in hlo.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(2)
+        elif current is not None and (m := _ROOT.match(line)):
+            roots[current] = m.group(1)
+    return roots
+
+
+def _fusion_bytes(instructions, root: str, operands: list[str]) -> int:
+    """Bytes a fusion reads and writes, its fused computation `instructions` seen: operands read through
+    slices only cost the slices, and an in-place root (dynamic-update-slice / scatter on a parameter)
+    costs its update, not the buffer it shares with that parameter."""
+    by_name = {name: (res, op, _operands(rest), rest) for name, res, op, rest in instructions}
+    uses: dict[str, list[tuple[str, int]]] = {}
+    for name, (_, _, operands, _) in by_name.items():
+        for pos, o in enumerate(operands):
+            uses.setdefault(o, []).append((name, pos))
+
+    def through_bitcasts(name):  # the instructions reading `name`, looking through bitcasts
+        out = []
+        for user, pos in uses.get(name, []):
+            out += through_bitcasts(user) if by_name[user][1] == "bitcast" else [(user, pos)]
+        return out
+
+    def source(name):  # the instruction behind a chain of bitcasts
+        while by_name[name][1] == "bitcast":
+            name = by_name[name][2][0]
+        return name
+
+    outputs = by_name[root][2] if by_name[root][1] == "tuple" else [root]
+    written, aliased = 0, set()
+    for out in outputs:
+        res, op, operands, _ = by_name[source(out)]
+        if op in _IN_PLACE and by_name[source(operands[0])][1] == "parameter":
+            update = _array_bytes(by_name[operands[_IN_PLACE[op]]][0])
+            written += update * (2 if op == "scatter" else 1)  # scatter reads the rows it adds to
+            aliased.add(source(out))
+        else:
+            written += _array_bytes(by_name[out][0])
+    read: dict[int, int] = {}
+    for name, (res, op, _, rest) in by_name.items():
+        if op != "parameter":
+            continue
+        index = int(rest.split(")")[0])
+        users = through_bitcasts(name)
+        if users and all(by_name[u][1] in _SLICING and pos == 0 or u in aliased and pos == 0 for u, pos in users):
+            read[index] = sum(_array_bytes(by_name[u][0]) for u, pos in users if u not in aliased)
+        else:
+            read[index] = _array_bytes(res)
+    per_operand: dict[str, int] = {}  # one operand passed twice is read once
+    for index, nbytes in read.items():
+        name = operands[index] if index < len(operands) else index
+        per_operand[name] = max(per_operand.get(name, 0), nbytes)
+    return written + sum(per_operand.values())
+
+
+def _kernel_bytes(opcode: str, result: str, operands: list[str], shapes: dict[str, str]) -> int:
+    """Bytes of a kernel that is not a fusion: operands and result, or the touched region (see above)."""
+    known = [o for o in dict.fromkeys(operands) if o in shapes]
+    if opcode in _SLICING:
+        return 2 * _array_bytes(result) + sum(_array_bytes(shapes[o]) for o in known[1:])
+    if opcode in _IN_PLACE and len(operands) > _IN_PLACE[opcode] and operands[_IN_PLACE[opcode]] in shapes:
+        update = _array_bytes(shapes[operands[_IN_PLACE[opcode]]])
+        others = sum(_array_bytes(shapes[o]) for o in known if o not in (operands[0], operands[_IN_PLACE[opcode]]))
+        return update * (3 if opcode == "scatter" else 2) + others
+    return _array_bytes(result) + sum(_array_bytes(shapes[o]) for o in known)
+
+
 def step_cost(compiled) -> StepCost:
     """The kernels of a compiled program (a `jax.stages.Compiled` or its optimized HLO text)."""
     hlo = compiled if isinstance(compiled, str) else compiled.as_text()
     computations, entry, _ = parse_hlo(hlo)
+    roots = _roots(hlo)
     counts = _counts(computations, entry)
     fused = set()  # computations called by a fusion (or a reduce / sort ...): not a schedule level
     for instructions in computations.values():
@@ -150,10 +235,13 @@ def step_cost(compiled) -> StepCost:
                 flops = _dot_flops(result, rest, shapes[comp])
             else:
                 flops = 0.0
-            args = rest.split("),")[0]
-            operand_bytes = sum(_array_bytes(shapes[comp][o]) for o in dict.fromkeys(_OPERAND.findall(args))
-                                if o in shapes[comp])
-            kernels.append(Kernel(name, opcode, flops, _array_bytes(result) + operand_bytes, count))
+            operands = _operands(rest)
+            callee = re.search(r"\bcalls=%?([\w.\-]+)", rest) if opcode == "fusion" else None
+            if callee and callee.group(1) in computations and callee.group(1) in roots:
+                nbytes = _fusion_bytes(computations[callee.group(1)], roots[callee.group(1)], operands)
+            else:
+                nbytes = _kernel_bytes(opcode, result, operands, shapes[comp])
+            kernels.append(Kernel(name, opcode, flops, nbytes, count))
     return StepCost(tuple(kernels))
 
 
