@@ -14,6 +14,8 @@ import gzip
 import json
 import os
 import pathlib
+import unicodedata
+import warnings
 
 BUNDLED_CORPUS = "sotu.jsonl.gz"
 
@@ -33,19 +35,24 @@ def load_corpus(path: str | os.PathLike | None = None, *,
         document each, sorted by relative path); or a `.jsonl` / `.jsonl.gz`
         file (one JSON object per line with a string field `text`).
       id_field: a jsonl field (string or integer) naming each document's unit,
-        e.g. "user_id" or "doc_id"; documents with equal ids (equal JSON
-        values: 7 and "7" differ) are one unit. None: each document is its
-        own unit (two copies of a text are two units).
+        e.g. "user_id" or "doc_id"; documents with equal ids after
+        `canonical_id` (7, "7", " 7", and "José" in either Unicode form, "ANN"
+        and "ann" are each one id) are one unit, with a warning when
+        differently spelled ids were merged: merging two people costs utility,
+        while one person under two spellings would be two units, each clipped
+        to C. None: each document is its own unit (two copies of a text are
+        two units).
 
     Returns:
       (documents, ids): the non-empty documents (whitespace-only ones are
-      dropped) and, with `id_field`, their unit ids as JSON strings (`'"ann"'`,
-      `'7'`); None without.
+      dropped) and, with `id_field`, their canonical unit ids as JSON strings
+      (`'"ann"'`, `'"7"'`); None without.
 
     Raises:
       ValueError: the path does not exist, has an unsupported kind, is not
-        UTF-8, is malformed, holds no text, or id_field is set for a corpus
-        that is not jsonl or is missing on a line.
+        UTF-8, is malformed, holds no text, holds text or an id that cannot be
+        encoded as UTF-8 (a lone surrogate escape), or id_field is set for a
+        corpus that is not jsonl, is missing on a line or is empty.
     """
     if path is None:
         bundled = pathlib.Path(__file__).parent / "corpora" / BUNDLED_CORPUS
@@ -118,8 +125,22 @@ def _read_text(path: pathlib.Path) -> str:
         raise ValueError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
+def canonical_id(uid: str | int) -> str:
+    """The unit a jsonl id names: an integer's decimal digits; a string NFKC-normalised, stripped of
+    surrounding whitespace and case-folded. Spellings of one id map to one unit."""
+    return str(uid) if isinstance(uid, int) else unicodedata.normalize("NFKC", uid).strip().casefold()
+
+
+def _encodable(value: str, where: str, lineno: int, field: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}:{lineno}: field {field!r} cannot be encoded as UTF-8 ({e.reason}: "
+                         f"{value[e.start:e.end]!r}, a lone surrogate escape)") from None
+
+
 def _read_jsonl(f, where: str, id_field: str | None = None) -> tuple[list[str], list[str] | None]:
-    docs, ids = [], []
+    docs, ids, spellings = [], [], {}
     for lineno, raw in enumerate(f, start=1):
         try:
             line = raw.decode("utf-8")
@@ -133,15 +154,28 @@ def _read_jsonl(f, where: str, id_field: str | None = None) -> tuple[list[str], 
             raise ValueError(f"{where}:{lineno}: invalid JSON ({e.msg} column {e.colno})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise ValueError(f"{where}:{lineno}: expected an object with a string field 'text'")
+        _encodable(obj["text"], where, lineno, "text")
         if id_field is not None:
             uid = obj.get(id_field)
             if isinstance(uid, bool) or not isinstance(uid, (str, int)):
                 raise ValueError(f"{where}:{lineno}: expected a string or integer field {id_field!r} "
                                  f"(the unit id), got {uid!r}")
+            if isinstance(uid, str):
+                _encodable(uid, where, lineno, id_field)
+            unit = canonical_id(uid)
+            if not unit:
+                raise ValueError(f"{where}:{lineno}: field {id_field!r} (the unit id) is empty: {uid!r}")
+            spellings.setdefault(unit, set()).add(json.dumps(uid, ensure_ascii=False))
         if obj["text"].strip():
             docs.append(obj["text"])
             if id_field is not None:
-                ids.append(json.dumps(uid))
+                ids.append(json.dumps(unit))
     if not docs:
         raise ValueError(f"corpus {where} contains no text")
+    merged = {u: s for u, s in spellings.items() if len(s) > 1}
+    if merged:
+        example = sorted(next(iter(merged.values())))
+        warnings.warn(f"{where}: {sum(map(len, merged.values()))} differently spelled {id_field!r} values are "
+                      f"{len(merged)} unit(s) after canonical_id (case, Unicode form, surrounding spaces, "
+                      f"7 vs \"7\"), e.g. {' and '.join(example[:2])}", stacklevel=3)
     return docs, (ids if id_field is not None else None)

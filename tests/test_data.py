@@ -465,9 +465,10 @@ def test_jsonl_id_field(tmp_path):
             {"text": "second note", "user_id": 7}, {"text": "third", "user_id": "ann"}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     path.write_text(path.read_text() + json.dumps({"text": "fourth", "user_id": "7"}) + "\n")
-    # ids are JSON values: 7 and "7" are two users, never merged
-    assert data.load_corpus(path, id_field="user_id") == (["first note", "second note", "third", "fourth"],
-                                                           ['"ann"', "7", '"ann"', '"7"'])
+    # 7 and "7" are one user (canonical_id): spellings of one person must not be two units
+    with pytest.warns(UserWarning, match="2 differently spelled 'user_id' values are 1 unit"):
+        assert data.load_corpus(path, id_field="user_id") == (["first note", "second note", "third", "fourth"],
+                                                               ['"ann"', '"7"', '"ann"', '"7"'])
     assert data.load_corpus(path) == (["first note", "second note", "third", "fourth"], None)
     path.write_text(json.dumps({"text": "no id"}) + "\n")
     with pytest.raises(ValueError, match=r"notes.jsonl:1: .*'user_id'"):
@@ -475,6 +476,33 @@ def test_jsonl_id_field(tmp_path):
     (tmp_path / "book.txt").write_text("some text")
     with pytest.raises(ValueError, match="id_field='user_id' needs a .jsonl"):
         data.load_corpus(tmp_path / "book.txt", id_field="user_id")
+
+
+def test_spellings_of_one_id_are_one_unit(tmp_path):
+    """An attacker's review found "José" (composed / decomposed), "ann" / " ann" / "ANN", 1 / "1" loaded as
+    distinct units: one person, several spellings, each clipped to C. They are one unit each now; an id or
+    text that cannot be encoded (a lone surrogate escape) or an empty id is an error naming the line."""
+    path = tmp_path / "notes.jsonl"
+    spellings = [1, "1", " 1 ", "Jos\u00e9", "Jose\u0301", "JOS\u00c9", "ann", "ann ", " ann", "ANN", "\uff41nn"]
+    path.write_text("".join(json.dumps({"text": f"note {i}", "user_id": s}) + "\n" for i, s in enumerate(spellings)))
+    with pytest.warns(UserWarning, match="11 differently spelled 'user_id' values are 3 unit"):
+        _, ids = data.load_corpus(path, id_field="user_id")
+    assert ids == ['"1"'] * 3 + [json.dumps("jos\u00e9")] * 3 + ['"ann"'] * 5
+    assert len(set(data.split_hash(u) for u in ids)) == 3
+    path.write_text(json.dumps({"text": "a", "user_id": "x"}) + "\n" + json.dumps({"text": "b", "user_id": "y"}) + "\n")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # distinct ids: no warning
+        assert data.load_corpus(path, id_field="user_id")[1] == ['"x"', '"y"']
+    for bad, match in [({"text": "a", "user_id": "  "}, r"notes.jsonl:1: field 'user_id' \(the unit id\) is empty"),
+                       ({"text": "a", "user_id": "\ud800"}, r"notes.jsonl:1: field 'user_id' cannot be encoded"),
+                       ({"text": "x\ud800", "user_id": "a"}, r"notes.jsonl:1: field 'text' cannot be encoded")]:
+        path.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(ValueError, match=match):
+            data.load_corpus(path, id_field="user_id")
+    path.write_text(json.dumps({"text": "x\ud800"}) + "\n")
+    with pytest.raises(ValueError, match="field 'text' cannot be encoded"):
+        data.load_corpus(path)
 
 
 def test_copies_of_a_text_are_separate_units_without_ids(bpe, tmp_path):
