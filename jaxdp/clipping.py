@@ -27,8 +27,9 @@ contribution is at most C * SENSITIVITY_FACTOR, SENSITIVITY_FACTOR =
 sqrt(1 + delta) = 1.000122, and the noise is calibrated to that
 sensitivity (`jaxdp.noise.noise_std`), so the privacy guarantee holds as
 accounted. This assumes the norm and the clipped sum see the same values:
-below float32 `jaxdp.per_example.use_terms` makes sure of it (one rounding
-of the recorded terms for every consumer, whatever XLA's excess precision).
+below float32 `jaxdp.terms.pinned` makes sure of it (one rounding of the
+terms for the norm and the sum, whatever XLA's excess precision; a kept
+G_b is one array read by both).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from jaxdp import device_rates
 from jaxdp import noise as noise_lib
 from jaxdp import norm_costs
 from jaxdp import norms as norms_lib
-from jaxdp.terms import DenseTerm, FactoredGrad, as_factored, is_factored
+from jaxdp.terms import DenseTerm, FactoredGrad, as_factored, is_factored, pinned
 
 
 class FusedClipState(NamedTuple):
@@ -86,6 +86,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     dense = {} if squared_norms_fn is not None else _materialized(factored, strategy, chunk_size,
                                                                     memory_budget_bytes, store_budget_bytes)
     sq_by_group, bound_by_group = _materialized_sq_norms(dense, groups, factored[0].batch_size)
+    factored = [grad if i in dense else pinned(grad) for i, grad in enumerate(factored)]
     for i, (grad, group) in enumerate(zip(factored, groups)):
         if i in dense:
             continue

@@ -147,25 +147,12 @@ def term_slots(use: _tape.Use):
 
 
 def use_terms(use: _tape.Use, g, record) -> dict:
-    """{parameter name: term} of one use from its output gradient and recorded input.
-
-    Below float32 (bf16, f16) `g` and `record` first pass an optimization barrier, so that every
-    consumer of the terms (the norm, the clipped sum) reads the same rounded values. Without it XLA's
-    excess precision (on by default) may hand a consumer that upcasts a bf16 value its unrounded
-    float32 producer instead, while another reads the bf16 value: a norm of one rounding and a sum of
-    the other, and one example's clipped contribution up to 1.0005 C (tiny bf16 GPT-2 with an adapter,
-    the job's jitted step; tests/test_norm_rounding.py).
-    """
+    """{parameter name: term} of one use from its output gradient and recorded input (integer records
+    back in their dtype). Every consumer widens the terms' arrays with `jaxdp.terms.upcast`, so bf16
+    terms have one rounding for the norm and the clipped sum."""
     if jnp.issubdtype(use.record_dtype, jnp.integer):
         record = record.astype(use.record_dtype)
-    if below_float32(g.dtype) or below_float32(record.dtype):
-        g, record = jax.lax.optimization_barrier((g, record))
     return use.terms_fn(record, g)
-
-
-def below_float32(dtype) -> bool:
-    """A floating dtype of fewer than 32 bits (bf16, f16): one whose rounding the DP paths must pin."""
-    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
 def add_fallback_terms(terms_by_path: dict, loss_fn, graphdef, params, rest, batch, fallback: bool) -> None:

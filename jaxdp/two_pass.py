@@ -64,12 +64,11 @@ from jaxdp import norms as norms_lib
 from jaxdp.per_example import (
     LossFn,
     add_fallback_terms,
-    below_float32,
     discover,
     term_slots,
     use_terms,
 )
-from jaxdp.terms import FactoredGrad
+from jaxdp.terms import FactoredGrad, below_float32
 
 
 def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str = "abadi",
