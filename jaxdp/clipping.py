@@ -109,9 +109,10 @@ def kept_examples(norms_by_group: Mapping[Hashable, jax.Array]) -> jax.Array:
     return jnp.all(jnp.stack([jnp.isfinite(n) for n in norms_by_group.values()]), axis=0)
 
 
-def clip_factors(norms_B: jax.Array, threshold: float, clip_fn: str, gamma: float,
+def clip_factors(norms_B: jax.Array, threshold: float | jax.Array, clip_fn: str, gamma: float,
                  keep_B: jax.Array | None = None) -> jax.Array:
-    """Per-example clip factors for one group's norms; exactly 0 where `keep_B` is False (the drop rule)."""
+    """Per-example clip factors for one group's norms (B,), or for G groups' (G, B) with thresholds (G, 1);
+    exactly 0 where `keep_B` is False (the drop rule)."""
     if clip_fn == "abadi":
         c_B = jnp.minimum(1.0, threshold / norms_B)
     else:
@@ -120,11 +121,15 @@ def clip_factors(norms_B: jax.Array, threshold: float, clip_fn: str, gamma: floa
 
 
 def materialized_clipped_sum(G_B: jax.Array, c_B: jax.Array) -> jax.Array:
-    """sum_b c_b G_b of materialised per-example gradients (B, *shape); c_b == 0 adds exact zeros."""
+    """sum_b c_b G_b of materialised per-example gradients (B, *shape); c_b == 0 adds exact zeros.
+
+    `c_B` may also be (B, G), one factor per example and row of `G_B` (B, G, *shape): then the
+    result is (G, *shape), row g summed with its own factors (the block of small gradients)."""
     dt = jnp.promote_types(G_B.dtype, c_B.dtype)
-    live_B = c_B != 0
-    G = jnp.where(live_B.reshape((-1,) + (1,) * (G_B.ndim - 1)), G_B.astype(dt), 0)
-    return jnp.tensordot(c_B.astype(dt), G, axes=1, precision=jax.lax.Precision.HIGHEST)
+    live = (c_B != 0).reshape(c_B.shape + (1,) * (G_B.ndim - c_B.ndim))
+    G = jnp.where(live, G_B.astype(dt), 0)
+    axes = "bg"[:c_B.ndim]
+    return jnp.einsum(f"{axes},{axes}...->{axes[1:]}...", c_B.astype(dt), G, precision=jax.lax.Precision.HIGHEST)
 
 
 def clipped_sum(grad: FactoredGrad, c_B: jax.Array, *, pallas: bool = False) -> jax.Array:
