@@ -109,10 +109,9 @@ def kept_examples(norms_by_group: Mapping[Hashable, jax.Array]) -> jax.Array:
     return jnp.all(jnp.stack([jnp.isfinite(n) for n in norms_by_group.values()]), axis=0)
 
 
-def clip_factors(norms_B: jax.Array, threshold: float | jax.Array, clip_fn: str, gamma: float,
+def clip_factors(norms_B: jax.Array, threshold: float, clip_fn: str, gamma: float,
                  keep_B: jax.Array | None = None) -> jax.Array:
-    """Per-example clip factors for one group's norms (B,), or for G groups' (G, B) with thresholds (G, 1);
-    exactly 0 where `keep_B` is False (the drop rule)."""
+    """Per-example clip factors for one group's norms; exactly 0 where `keep_B` is False (the drop rule)."""
     if clip_fn == "abadi":
         c_B = jnp.minimum(1.0, threshold / norms_B)
     else:

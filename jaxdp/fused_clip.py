@@ -105,14 +105,9 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     if single:
         linear_sums, sq_by_group, keep_pre_B = single_pass_lib.single_pass_sums(
             factored, single, sq_by_group, bound_by_group, factors_of, chunk_size)
-    keys = list(sq_by_group)  # every group's norms and factors at once: a few kernels, not a few per group
-    norms_GB = clipping_lib.guarded_norms(jnp.stack([sq_by_group[g] for g in keys]),
-                                          jnp.stack([bound_by_group[g] for g in keys]))
-    norms = {g: norms_GB[k] for k, g in enumerate(keys)}
+    norms = {g: clipping_lib.guarded_norms(sq, bound_by_group[g]) for g, sq in sq_by_group.items()}
     keep_B = clipping_lib.kept_examples(norms)
-    thresholds_G1 = jnp.asarray([[thresholds[g]] for g in keys], norms_GB.dtype)
-    factors_GB = clipping_lib.clip_factors(norms_GB, thresholds_G1, clip_fn, gamma, keep_B)
-    factors = {g: factors_GB[k] for k, g in enumerate(keys)}
+    factors = {g: factors_of(n, g, keep_B) for g, n in norms.items()}
     if single:
         linear_sums = single_pass_lib.redo_if_dropped_late(linear_sums, factored, single, norms, keep_pre_B,
                                                            keep_B, factors)
@@ -141,7 +136,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
 # (the clipped contribution IS c_b times the array whose norm was taken). The small ones of every group
 # sit side by side in one block (B, G, W), each group's row zero-padded to the widest, so that their
 # norms and clipped sums are one reduction each for all groups, not one per group or parameter (GPT-2
-# small has 98 of them in 75 per-layer groups: 772 -> 687 kernels in the per-layer step, 661 flat).
+# small has 98 of them in 75 per-layer groups: 772 -> 664 kernels in the per-layer step, 661 flat).
 _SMALL = 1 << 16  # elements per example below which a materialised gradient joins the block
 
 
