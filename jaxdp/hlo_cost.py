@@ -161,7 +161,7 @@ def _fusion_bytes(instructions, root: str, operands: list[str]) -> int:
     written, aliased = 0, set()
     for out in outputs:
         res, op, operands, _ = by_name[source(out)]
-        if op in _IN_PLACE and by_name[source(operands[0])][1] == "parameter":
+        if op in _IN_PLACE and len(operands) > _IN_PLACE[op] and by_name[source(operands[0])][1] == "parameter":
             update = _array_bytes(by_name[operands[_IN_PLACE[op]]][0])
             written += update * (2 if op == "scatter" else 1)  # scatter reads the rows it adds to
             aliased.add(source(out))

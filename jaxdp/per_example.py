@@ -148,8 +148,8 @@ def term_slots(use: _tape.Use):
 
 def use_terms(use: _tape.Use, g, record) -> dict:
     """{parameter name: term} of one use from its output gradient and recorded input (integer records
-    back in their dtype). Every consumer widens the terms' arrays with `jaxdp.terms.upcast`, so bf16
-    terms have one rounding for the norm and the clipped sum."""
+    back in their dtype). Below float32, `jaxdp.fused_clip.clipped_aggregate` pins the terms that the
+    norm and the clipped sum read separately (`jaxdp.terms.pinned`: one rounding for both)."""
     if jnp.issubdtype(use.record_dtype, jnp.integer):
         record = record.astype(use.record_dtype)
     return use.terms_fn(record, g)
