@@ -142,8 +142,8 @@ def _fusion_bytes(instructions, root: str, operands: list[str]) -> int:
     costs its update, not the buffer it shares with that parameter."""
     by_name = {name: (res, op, _operands(rest), rest) for name, res, op, rest in instructions}
     uses: dict[str, list[tuple[str, int]]] = {}
-    for name, (_, _, operands, _) in by_name.items():
-        for pos, o in enumerate(operands):
+    for name, (_, _, args, _) in by_name.items():
+        for pos, o in enumerate(args):
             uses.setdefault(o, []).append((name, pos))
 
     def through_bitcasts(name):  # the instructions reading `name`, looking through bitcasts
@@ -160,9 +160,9 @@ def _fusion_bytes(instructions, root: str, operands: list[str]) -> int:
     outputs = by_name[root][2] if by_name[root][1] == "tuple" else [root]
     written, aliased = 0, set()
     for out in outputs:
-        res, op, operands, _ = by_name[source(out)]
-        if op in _IN_PLACE and len(operands) > _IN_PLACE[op] and by_name[source(operands[0])][1] == "parameter":
-            update = _array_bytes(by_name[operands[_IN_PLACE[op]]][0])
+        _, op, args, _ = by_name[source(out)]
+        if op in _IN_PLACE and len(args) > _IN_PLACE[op] and by_name[source(args[0])][1] == "parameter":
+            update = _array_bytes(by_name[args[_IN_PLACE[op]]][0])
             written += update * (2 if op == "scatter" else 1)  # scatter reads the rows it adds to
             aliased.add(source(out))
         else:

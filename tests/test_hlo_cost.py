@@ -54,6 +54,40 @@ def test_a_scan_costs_its_slices_not_its_stacks():
     assert per_element[32] <= 1.1 * per_element[8], per_element
 
 
+FUSED_DUS_HLO = """HloModule m, is_scheduled=true
+
+%fused (p0: f32[8,1,64], p1: s32[], p2: f32[1,1,64], p3: f32[1,1,64], p4: f32[1,1,64]) -> f32[8,1,64] {
+  %p0 = f32[8,1,64]{2,1,0} parameter(0)
+  %p2 = f32[1,1,64]{2,1,0} parameter(2)
+  %p3 = f32[1,1,64]{2,1,0} parameter(3)
+  %p4 = f32[1,1,64]{2,1,0} parameter(4)
+  %a = f32[1,1,64]{2,1,0} add(%p2, %p3)
+  %u = f32[1,1,64]{2,1,0} add(%a, %p4)
+  %p1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %d = f32[8,1,64]{2,1,0} dynamic-update-slice(%p0, %u, %p1, %c, %c)
+}
+
+ENTRY %main (s: f32[8,1,64], i: s32[], x: f32[1,1,64], y: f32[1,1,64], z: f32[1,1,64]) -> f32[8,1,64] {
+  %s = f32[8,1,64]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = f32[1,1,64]{2,1,0} parameter(2)
+  %y = f32[1,1,64]{2,1,0} parameter(3)
+  %z = f32[1,1,64]{2,1,0} parameter(4)
+  ROOT %f = f32[8,1,64]{2,1,0} fusion(%s, %i, %x, %y, %z), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_an_in_place_fusion_reads_each_operand():
+    """A fusion adding three rows into one row of a stack in place: it reads the three rows and the index and
+    writes one row. (An earlier version named the operands from the root's own argument list, where the
+    constant index stood at positions 3 and 4, and counted the rows y and z as one.)"""
+    (kernel,) = hlo_cost.step_cost(FUSED_DUS_HLO).kernels
+    row = 64 * 4
+    assert kernel.bytes == 3 * row + 4 + row
+
+
 def test_a_scatter_add_costs_its_rows():
     """An embedding gradient's scatter-add of B T rows into a (V, D) table touches those rows, in place."""
     V, D, n = 50000, 64, 256
