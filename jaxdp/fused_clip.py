@@ -84,7 +84,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
         single = single_pass_lib.single_linear_terms(factored, groups)
     dense = {} if squared_norms_fn is not None else _materialized(factored, strategy, chunk_size,
                                                                     memory_budget_bytes, store_budget_bytes)
-    sq_by_group, bound_by_group = _materialized_sq_norms(dense, groups, factored[0].batch_size)
+    sq_by_group, bound_by_group = _materialized_sq_norms(dense, groups)
     factored = [grad if i in dense else pinned(grad) for i, grad in enumerate(factored)]
     for i, (grad, group) in enumerate(zip(factored, groups)):
         if i in dense:
@@ -132,8 +132,9 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
 
 
 # Materialised per-example gradients: small dense ones (biases, norm scales) and the G_b that strategy
-# "store" / "auto" keeps. Their squared norms are sums of squares, so they need no cancellation bound
-# (the clipped contribution IS c_b times the array whose norm was taken). The small ones of every group
+# "store" / "auto" keeps. Their squared norms are sums of squares: no cancellation, but a relative
+# rounding error that grows with the size (`jaxdp.norms.sum_of_squares_bound`); the clipped contribution
+# IS c_b times the array whose norm was taken. The small ones of every group
 # sit side by side in one block (B, G, W), each group's row zero-padded to the widest, so that their
 # norms and clipped sums are one reduction each for all groups, not one per group or parameter (GPT-2
 # small has 98 of them in 75 per-layer groups: 772 -> 664 kernels in the per-layer step, 661 flat).
@@ -183,17 +184,28 @@ def _block(dense: dict, small: dict) -> _SmallBlock:
     return _SmallBlock(list(small), layout, jnp.stack(rows, axis=1))
 
 
-def _materialized_sq_norms(dense: dict, groups, B: int) -> tuple[dict, dict]:
-    """({group: squared norms (B,)}, {group: zero bounds}) of the materialised gradients."""
+def _materialized_sq_norms(dense: dict, groups) -> tuple[dict, dict]:
+    """({group: squared norms (B,)}, {group: their rounding bounds (B,)}) of the materialised gradients."""
     blocks, large = _small_blocks(dense, groups)
-    sq: dict = {}
+    sq, bound = {}, {}
+
+    def add(group, part_B, K):
+        part_bound = norms_lib.sum_of_squares_bound(part_B, K)
+        sq[group] = part_B if group not in sq else sq[group] + part_B
+        bound[group] = part_bound if group not in bound else bound[group] + part_bound
+
     for block in blocks:
-        sq_BG = jnp.sum(jnp.square(block.block_BGW), axis=2)
-        sq.update({g: sq_BG[:, row] for row, g in enumerate(block.keys)})
+        sq_BG = _sum_of_squares(block.block_BGW)
+        for row, g in enumerate(block.keys):
+            add(g, sq_BG[:, row], block.block_BGW.shape[2])
     for i in large:
-        part = jnp.sum(jnp.square(_flat_f32(dense[i])), axis=1)
-        sq[groups[i]] = part if groups[i] not in sq else sq[groups[i]] + part
-    return sq, {g: jnp.zeros(B, jnp.float32) for g in sq}
+        add(groups[i], _sum_of_squares(_flat_f32(dense[i])), math.prod(dense[i].shape[1:]))
+    return sq, bound
+
+
+def _sum_of_squares(v):
+    """Sums of squares over the last axis (the one reduction every materialised norm takes)."""
+    return jnp.sum(jnp.square(v), axis=-1)
 
 
 def _materialized_sums(dense: dict, groups, factors: dict) -> dict:

@@ -188,6 +188,29 @@ def test_guarded_norm_bounds_the_true_norm():
         assert np.all(true_linear_norms(x, g)[0] <= np.asarray(guarded, np.float64) * clipping_lib.SENSITIVITY_FACTOR)
 
 
+@pytest.mark.parametrize("kind", ["dense", "store"])
+def test_large_materialised_gradients_carry_their_rounding_bound(kind, monkeypatch):
+    """A materialised gradient's squared norm (a sum of K squares) may be u sqrt(K) low in the rounding
+    model; at K = 8.4e6 elements that is more than the 2**-12 the sensitivity allows. Planted: every such
+    sum comes out 0.9 kappa low (an error the model allows); the contribution must stay within C'."""
+    import sys
+    fused_clip = sys.modules["jaxdp.fused_clip"]  # the module (jaxdp.fused_clip is the transform)
+    P, D = 2048, 4096
+    rng = np.random.default_rng(11)
+    if kind == "dense":
+        grads = {"w": FactoredGrad((jaxdp.terms.DenseTerm(jnp.asarray(rng.standard_normal((1, P, D)), jnp.float32)),))}
+    else:
+        x, g = rng.standard_normal((1, 2, P)), rng.standard_normal((1, 2, D))
+        grads = {"w": FactoredGrad((LinearTerm(jnp.asarray(x, jnp.float32), jnp.asarray(g, jnp.float32)),))}
+    kappa = float(jaxdp.norms.sum_of_squares_bound(jnp.ones((), jnp.float32), P * D))
+    assert kappa > clipping_lib.ROUNDING_DELTA  # large enough to matter
+    real = fused_clip._sum_of_squares
+    monkeypatch.setattr(fused_clip, "_sum_of_squares", lambda v: real(v) * (1 - 0.9 * kappa))
+    sums, _ = jaxdp.clipped_aggregate(grads, C, strategy="store")
+    out = np.linalg.norm(np.asarray(sums["w"], np.float64))
+    assert out <= C * clipping_lib.SENSITIVITY_FACTOR * (1 + 1e-6), f"a contribution reached C (1 + {out / C - 1:.3g})"
+
+
 def _bf16_step_contributions(clipping, seeds, T=12, strategy="ghost", adapter=True):
     """One example's released contribution / C through the job's jitted DP step: a one-block bf16 tiny
     GPT-2 (with an adapter after mlp/c_proj, the only trainable part, or every parameter trainable;
