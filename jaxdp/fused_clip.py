@@ -95,7 +95,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
             skip = single[group][1] if single.get(group, (None,))[0] == i else None
             sq = norms_lib.squared_norms(grad, strategy, chunk_size=chunk_size,
                                          memory_budget_bytes=memory_budget_bytes, skip_self=skip)
-            bound = norms_lib.rounding_bound(grad)
+            bound = norms_lib.rounding_bound(grad, sq)  # the single-pass kernel's own sum: in its clip_factors_fn
         sq_by_group[group] = sq if group not in sq_by_group else sq_by_group[group] + sq
         bound_by_group[group] = bound if group not in bound_by_group else bound_by_group[group] + bound
 
@@ -103,7 +103,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
         return clipping_lib.clip_factors(norms_B, thresholds[group], clip_fn, gamma, keep_B)
 
     if single:
-        linear_sums, sq_by_group, keep_pre_B = single_pass_lib.single_pass_sums(
+        linear_sums, sq_by_group, bound_by_group, keep_pre_B = single_pass_lib.single_pass_sums(
             factored, single, sq_by_group, bound_by_group, factors_of, chunk_size)
     norms = {g: clipping_lib.guarded_norms(sq, bound_by_group[g]) for g, sq in sq_by_group.items()}
     keep_B = clipping_lib.kept_examples(norms)

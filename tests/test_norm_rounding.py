@@ -174,7 +174,7 @@ def test_guard_leaves_ordinary_norms_alone():
     g = jax.random.normal(jax.random.key(1), (8, 16, 96))
     grad = FactoredGrad((LinearTerm(x, g),))
     sq = jaxdp.squared_norms(grad, "ghost")
-    bound = jaxdp.norms.rounding_bound(grad)
+    bound = jaxdp.norms.rounding_bound(grad, sq)
     assert float(jnp.max(bound / sq)) < clipping_lib.ROUNDING_DELTA
     np.testing.assert_array_equal(clipping_lib.guarded_norms(sq, bound), jnp.sqrt(sq))
 
@@ -184,29 +184,39 @@ def test_guarded_norm_bounds_the_true_norm():
     x, g = cancelling_linear(7, jnp.float32)
     grad = FactoredGrad((LinearTerm(x, g),))
     for strategy in ("ghost", "instantiate"):
-        guarded = clipping_lib.guarded_norms(jaxdp.squared_norms(grad, strategy), jaxdp.norms.rounding_bound(grad))
+        guarded = clipping_lib.guarded_norms(*jaxdp.norms.squared_norms_with_bound(grad, strategy))
         assert np.all(true_linear_norms(x, g)[0] <= np.asarray(guarded, np.float64) * clipping_lib.SENSITIVITY_FACTOR)
 
 
-@pytest.mark.parametrize("kind", ["dense", "store"])
-def test_large_materialised_gradients_carry_their_rounding_bound(kind, monkeypatch):
-    """A materialised gradient's squared norm (a sum of K squares) may be u sqrt(K) low in the rounding
-    model; at K = 8.4e6 elements that is more than the 2**-12 the sensitivity allows. Planted: every such
-    sum comes out 0.9 kappa low (an error the model allows); the contribution must stay within C'."""
+@pytest.mark.parametrize("strategy", ["dense", "store", "instantiate", "pallas"])
+def test_large_gradients_carry_the_rounding_bound_of_their_sum_of_squares(strategy, monkeypatch):
+    """A squared norm that ends in a sum of the gradient's N squared entries (a materialised G_b or
+    dense gradient, instantiate, the single-pass kernel) may be u sqrt(N) low in the rounding model;
+    at N = 8.4e6 entries that is more than the 2**-12 the sensitivity allows. Planted: that sum comes
+    out 0.9 kappa(N) low (an error the model allows); the contribution must stay within C'."""
     import sys
+    from jaxdp.pallas import single_pass
     fused_clip = sys.modules["jaxdp.fused_clip"]  # the module (jaxdp.fused_clip is the transform)
     P, D = 2048, 4096
     rng = np.random.default_rng(11)
-    if kind == "dense":
+    if strategy == "dense":
         grads = {"w": FactoredGrad((jaxdp.terms.DenseTerm(jnp.asarray(rng.standard_normal((1, P, D)), jnp.float32)),))}
     else:
         x, g = rng.standard_normal((1, 2, P)), rng.standard_normal((1, 2, D))
         grads = {"w": FactoredGrad((LinearTerm(jnp.asarray(x, jnp.float32), jnp.asarray(g, jnp.float32)),))}
-    kappa = float(jaxdp.norms.sum_of_squares_bound(jnp.ones((), jnp.float32), P * D))
-    assert kappa > clipping_lib.ROUNDING_DELTA  # large enough to matter
-    real = fused_clip._sum_of_squares
-    monkeypatch.setattr(fused_clip, "_sum_of_squares", lambda v: real(v) * (1 - 0.9 * kappa))
-    sums, _ = jaxdp.clipped_aggregate(grads, C, strategy="store")
+    low = 1 - 0.9 * float(jaxdp.norms.sum_of_squares_bound(jnp.ones((), jnp.float32), P * D))
+    assert 1 - low > clipping_lib.ROUNDING_DELTA  # large enough to matter
+    if strategy in ("dense", "store"):
+        real = fused_clip._sum_of_squares
+        monkeypatch.setattr(fused_clip, "_sum_of_squares", lambda v: real(v) * low)
+    elif strategy == "instantiate":
+        real = jaxdp.norms._linear_instantiate
+        monkeypatch.setattr(jaxdp.norms, "_linear_instantiate", lambda *a: real(*a) * low)
+    else:
+        real = single_pass.linear_fused_clipped_sum
+        monkeypatch.setattr(single_pass, "linear_fused_clipped_sum", lambda x, g, factors_fn, **kw: real(
+            x, g, lambda layer_sq, *rest: factors_fn(layer_sq * low, *rest), **kw))
+    sums, _ = jaxdp.clipped_aggregate(grads, C, strategy="store" if strategy == "dense" else strategy)
     out = np.linalg.norm(np.asarray(sums["w"], np.float64))
     assert out <= C * clipping_lib.SENSITIVITY_FACTOR * (1 + 1e-6), f"a contribution reached C (1 + {out / C - 1:.3g})"
 

@@ -52,6 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxdp import clipping as clipping_lib
+from jaxdp import norms as norms_lib
 from jaxdp.pallas import _common
 from jaxdp.pallas.clipped_sum import linear_clipped_sum
 from jaxdp.terms import LinearTerm
@@ -200,7 +201,8 @@ def single_pass_sums(factored, single, sq_by_group, bound_by_group, factors_of, 
               group from finite inputs) has that term recomputed by the
               two-pass kernel with the final factors, under `lax.cond`: never
               in practice, exact always.
-    Returns ({group: (P, D) float32 sum}, sq_by_group with the kernels' norms added, keep_pre_B).
+    Returns ({group: (P, D) float32 sum}, sq_by_group and bound_by_group with the kernels' norms and
+    their bounds added, keep_pre_B).
     """
     finite = {g: jnp.isfinite(sq) for g, sq in sq_by_group.items()}
     for g, (i, j) in single.items():
@@ -208,12 +210,12 @@ def single_pass_sums(factored, single, sq_by_group, bound_by_group, factors_of, 
         finite[g] &= (jnp.all(jnp.isfinite(term.x_BTP), axis=(1, 2))
                       & jnp.all(jnp.isfinite(term.g_BTD), axis=(1, 2)))
     keep_pre_B = jnp.all(jnp.stack(list(finite.values())), axis=0)
-    linear_sums, sq_by_group = {}, dict(sq_by_group)
+    linear_sums, sq_by_group, bound_by_group = {}, dict(sq_by_group), dict(bound_by_group)
     for g, (i, j) in single.items():
         term = factored[i].terms[j]
 
         def clip_factors_fn(layer_sq_E, other_sq_E, bound_E, keep_E, g=g):
-            norms_E = clipping_lib.guarded_norms(layer_sq_E + other_sq_E, bound_E)
+            norms_E = clipping_lib.guarded_norms(layer_sq_E + other_sq_E, bound_E + _own_bound(layer_sq_E, term))
             # keep_E False: dropped before the pass, the example contributes exact zeros.
             return factors_of(norms_E, g, keep_E & jnp.isfinite(norms_E))
 
@@ -221,7 +223,15 @@ def single_pass_sums(factored, single, sq_by_group, bound_by_group, factors_of, 
             term.x_BTP, term.g_BTD, clip_factors_fn,
             factor_args_B=(sq_by_group[g], bound_by_group[g], keep_pre_B), chunk_size=chunk_size)
         sq_by_group[g] = sq_by_group[g] + sq_B
-    return linear_sums, sq_by_group, keep_pre_B
+        bound_by_group[g] = bound_by_group[g] + _own_bound(sq_B, term)
+    return linear_sums, sq_by_group, bound_by_group, keep_pre_B
+
+
+def _own_bound(layer_sq, term):
+    """The rounding bound of the kernel's own sum of the P D squares of G_b (`bound_by_group` covers the
+    group's products and other sums). The kernel's factors and the group's final norms must both add it:
+    a factor that differs between the kernel's term and the group's other terms breaks their cancellation."""
+    return norms_lib.sum_of_squares_bound(jnp.maximum(layer_sq, 0), term.x_BTP.shape[2] * term.g_BTD.shape[2])
 
 
 def redo_if_dropped_late(linear_sums, factored, single, norms, keep_pre_B, keep_B, factors):

@@ -90,6 +90,6 @@ def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
     cross = [norms_lib.pair_inner(p, e, strategy, **kw) for p in partials for e in lookups]
     if cross:
         total = total + 2 * jax.lax.psum(sum(cross), axis)
-    bound = norms_lib.rounding_bound(grad, magnitude, seq_shards=jax.lax.axis_size(axis))
+    bound = norms_lib.rounding_bound(grad, total, magnitude, seq_shards=jax.lax.axis_size(axis))
     return total, bound
 
