@@ -22,6 +22,8 @@ from jaxdp.fused_clip import fused_clip
 from jaxdp.loss_check import check_per_example_loss
 from jaxdp.models.hf_gpt2 import load_hf_gpt2
 from jaxdp.models.hf_gpt2 import save_hf_gpt2
+from jaxdp.models.hf_llama import load_hf_llama
+from jaxdp.models.hf_llama import save_hf_llama
 from jaxdp.norms import squared_norms
 from jaxdp.per_example import per_example_grads
 from jaxdp.terms import DenseTerm
@@ -49,6 +51,7 @@ __all__ = [
     "fused_clip",
     "group_thresholds",
     "load_hf_gpt2",
+    "load_hf_llama",
     "models",
     "nn",
     "noise",
@@ -58,6 +61,7 @@ __all__ = [
     "reference",
     "sampling",
     "save_hf_gpt2",
+    "save_hf_llama",
     "sharding",
     "squared_norms",
     "training",

@@ -286,4 +286,8 @@ def prepare(model: nnx.Module, method: str, *, rngs: nnx.Rngs, rank: int = 8, al
                                keep_streams_every=rev_keep_streams_every, rngs=rngs)
     if method in ("side", "reversible"):
         model.config = model.backbone.config  # the wrapper reads like its GPT-2 (e.g. config.seq_len when sampling)
-    return freeze(model, trainable_filter(method, train_layer_norms=train_layer_norms))
+    model = freeze(model, trainable_filter(method, train_layer_norms=train_layer_norms))
+    if not trainable_paths(model):
+        raise ValueError(f"method {method!r} leaves no trainable parameter in this {type(model).__name__} "
+                         "(bitfit trains biases: Llama has none)")
+    return model

@@ -36,7 +36,7 @@ from ml_collections import config_dict
 from jaxdp import data as data_lib
 from jaxdp import finetune, losses, tasks
 from jaxdp import noise as noise_lib
-from jaxdp.models import hf_gpt2
+from jaxdp.models import hf_checkpoint, hf_gpt2
 from jaxdp.training import config as config_lib
 from jaxdp.training import preparation
 from jaxdp.training.config import ConfigError
@@ -71,12 +71,12 @@ def _init_kind(init) -> str:
                           "local Hugging Face GPT-2 checkpoint directory)")
     if (path / TOKENIZER_DIR / "tokenizer.json").is_file() and (path / CONFIG_FILE).is_file():
         return "run"
-    if (path / hf_gpt2.CONFIG_FILE).is_file() and ((path / hf_gpt2.WEIGHTS_FILE).is_file()
-                                                   or (path / hf_gpt2.INDEX_FILE).is_file()):
+    if (path / hf_checkpoint.CONFIG_FILE).is_file() and ((path / hf_checkpoint.WEIGHTS_FILE).is_file()
+                                                         or (path / hf_checkpoint.INDEX_FILE).is_file()):
         return "hf"
     raise ConfigError(f"config.finetune.init {init!r} is neither a pretrain_gpt2 run directory ({CONFIG_FILE} and "
-                      f"{TOKENIZER_DIR}/) nor an HF GPT-2 checkpoint ({hf_gpt2.CONFIG_FILE} and "
-                      f"{hf_gpt2.WEIGHTS_FILE})")
+                      f"{TOKENIZER_DIR}/) nor an HF GPT-2 checkpoint ({hf_checkpoint.CONFIG_FILE} and "
+                      f"{hf_checkpoint.WEIGHTS_FILE})")
 
 
 def _init_model_and_tokenizer(init: str, kind: str) -> tuple[dict, str]:
@@ -93,7 +93,7 @@ def _init_model_and_tokenizer(init: str, kind: str) -> tuple[dict, str]:
                               f"nor a checkpoint in {CHECKPOINT_DIR}/)")
         return model, str((path / TOKENIZER_DIR).resolve())
     try:
-        c = hf_gpt2.config_from_hf(hf_gpt2._read_config(str(path)), str(path / hf_gpt2.CONFIG_FILE))
+        c = hf_gpt2.config_from_hf(hf_checkpoint.read_config(str(path)), str(path / hf_checkpoint.CONFIG_FILE))
     except (OSError, ValueError) as e:
         raise ConfigError(f"config.finetune.init: {e}") from None
     return {"family": "gpt2", "n_layer": c.n_layer, "n_head": c.n_head, "d_model": c.d_model,
@@ -190,7 +190,7 @@ def _completion_loss(p: Prepared, loss_after: str):
 
 
 def _hf_vocab(init: str) -> int:
-    return int(hf_gpt2._read_config(str(pathlib.Path(init).expanduser())).get("vocab_size", -1))
+    return int(hf_checkpoint.read_config(str(pathlib.Path(init).expanduser())).get("vocab_size", -1))
 
 
 def load_finetuned(p: Prepared) -> nnx.Module:

@@ -1,9 +1,7 @@
 """Hugging Face GPT-2 checkpoints in and out of `jaxdp.models.gpt2.GPT2`.
 
-A checkpoint directory holds `config.json` and `model.safetensors` (or a
-sharded `model.safetensors.index.json` and its files), as written by
-`transformers`' `save_pretrained` or downloaded from the hub. Local files
-only: nothing here reaches a network.
+Local checkpoint directories (`jaxdp.models.hf_checkpoint`: `config.json`
+and `model.safetensors`, or a sharded index); nothing here reaches a network.
 
 HF's GPT-2 stores its projections as `Conv1D` weights of shape (in, out), the
 layout of our `jaxdp.nn.Linear` kernels, so no tensor is transposed; its
@@ -20,29 +18,24 @@ parameters and are skipped. Names may carry the `transformer.` prefix of
 
 from __future__ import annotations
 
-import json
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdp.models import hf_checkpoint
 from jaxdp.models.gpt2 import GPT2, GPT2Config
-from jaxdp.models.safetensors_io import read_safetensors, write_safetensors
+from jaxdp.models.hf_checkpoint import CONFIG_FILE
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 OVERRIDABLE = ("dtype", "remat", "attention")  # compute settings; the shapes come from config.json
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh GELU of jaxdp's GPT-2
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # HF's causal-mask buffers, not parameters
 _PREFIX = "transformer."
-_SAVE_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def hf_names(n_layer: int) -> dict[str, tuple]:
-    """{HF tensor name: our parameter path} for a GPT-2 of `n_layer` blocks."""
+def hf_names(n_layer: int) -> hf_checkpoint.Names:
+    """{HF tensor name: (our parameter path, False)} for a GPT-2 of `n_layer` blocks (HF's Conv1D
+    weights are (in, out), as our kernels: nothing is transposed)."""
     names = {"wte.weight": ("wte", "embedding"), "wpe.weight": ("wpe", "embedding"),
              "ln_f.weight": ("ln_f", "scale"), "ln_f.bias": ("ln_f", "bias")}
     ours = {"ln_1": ("ln_1",), "ln_2": ("ln_2",), "attn.c_attn": ("attn", "c_attn"),
@@ -52,7 +45,7 @@ def hf_names(n_layer: int) -> dict[str, tuple]:
             is_norm = hf.startswith("ln_")
             names[f"h.{i}.{hf}.weight"] = ("blocks", i, *path, "scale" if is_norm else "kernel")
             names[f"h.{i}.{hf}.bias"] = ("blocks", i, *path, "bias")
-    return names
+    return {hf: (path, False) for hf, path in names.items()}
 
 
 def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> GPT2Config:
@@ -97,43 +90,6 @@ def config_to_hf(config: GPT2Config) -> dict:
             "tie_word_embeddings": True, "torch_dtype": "float32"}
 
 
-def _read_config(path: str) -> dict:
-    file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"HF checkpoint {path!r} has no {CONFIG_FILE} (expected {file})")
-    try:
-        with open(file) as f:
-            hf = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{file}: expected a JSON object")
-    return hf
-
-
-def _read_tensors(path: str) -> tuple[dict[str, tuple[np.ndarray, str]], str]:
-    """({name without the `transformer.` prefix: (array, the file it came from)}, the weights file or index)."""
-    single, index = os.path.join(path, WEIGHTS_FILE), os.path.join(path, INDEX_FILE)
-    if os.path.isfile(single):
-        files, source = [single], single
-    elif os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: missing its 'weight_map' object")
-        files, source = [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())], index
-    else:
-        others = [n for n in ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack")
-                  if os.path.exists(os.path.join(path, n))]
-        hint = f"; found {others}: re-save it with safe_serialization=True" if others else ""
-        raise FileNotFoundError(f"HF checkpoint {path!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
-    tensors = {}
-    for file in files:
-        for name, array in read_safetensors(file).items():
-            tensors[name.removeprefix(_PREFIX)] = (array, file)
-    return tensors, source
-
-
 def load_hf_gpt2(path: str | os.PathLike, **config_overrides) -> GPT2:
     """Loads an HF GPT-2 checkpoint directory into a `GPT2` (float32 parameters).
 
@@ -149,30 +105,16 @@ def load_hf_gpt2(path: str | os.PathLike, **config_overrides) -> GPT2:
         wrongly shaped tensor (the message names the file and the key).
     """
     path = os.fspath(path)
-    config = config_from_hf(_read_config(path), os.path.join(path, CONFIG_FILE), **config_overrides)
-    tensors, source = _read_tensors(path)
-    names = hf_names(config.n_layer)
+    config = config_from_hf(hf_checkpoint.read_config(path), os.path.join(path, CONFIG_FILE), **config_overrides)
+    tensors, source = hf_checkpoint.read_tensors(path, _PREFIX)
     head = tensors.pop("lm_head.weight", None)
-    unexpected = sorted(n for n in tensors if n not in names and not n.endswith(_BUFFERS))
-    if unexpected:
-        raise ValueError(f"{tensors[unexpected[0]][1]}: unexpected tensor(s) {unexpected[:8]} for a GPT-2 with "
-                         f"n_layer={config.n_layer} (from {CONFIG_FILE})")
-    abstract = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    by_path = {path_: hf for hf, path_ in names.items()}
-    leaves = []
-    for var_path, var in nnx.to_flat_state(state):
-        hf = by_path[tuple(var_path)]
-        if hf not in tensors:
-            raise ValueError(f"{source}: tensor {hf!r} is missing (n_layer={config.n_layer} in {CONFIG_FILE})")
-        array, file = tensors[hf]
-        if tuple(array.shape) != tuple(var.shape):
-            raise ValueError(f"{file}: tensor {hf!r} has shape {tuple(array.shape)}, expected {tuple(var.shape)} "
-                             f"from {CONFIG_FILE}")
-        leaves.append((var_path, var.replace(jnp.asarray(np.asarray(array, dtype=np.float32)))))
-    if head is not None and not np.array_equal(np.asarray(head[0]), np.asarray(tensors["wte.weight"][0])):
+    if head is not None and "wte.weight" in tensors and not np.array_equal(
+            np.asarray(head[0]), np.asarray(tensors["wte.weight"][0])):
         raise ValueError(f"{head[1]}: tensor 'lm_head.weight' differs from 'wte.weight'; jaxdp's GPT-2 ties them")
-    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+    tensors = {name: t for name, t in tensors.items() if not name.endswith(_BUFFERS)}
+    abstract = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
+    return hf_checkpoint.load_state(abstract, tensors, source, hf_names(config.n_layer),
+                                    f"a GPT-2 with n_layer={config.n_layer}")
 
 
 def save_hf_gpt2(model: GPT2, path: str | os.PathLike, *, dtype: str = "float32") -> None:
@@ -189,19 +131,5 @@ def save_hf_gpt2(model: GPT2, path: str | os.PathLike, *, dtype: str = "float32"
     """
     if not isinstance(model, GPT2):
         raise ValueError(f"model must be a jaxdp.models.gpt2.GPT2, got {type(model).__name__}")
-    if dtype not in _SAVE_DTYPES:
-        raise ValueError(f"dtype must be one of {_SAVE_DTYPES}, got {dtype!r}")
-    names = hf_names(model.config.n_layer)
-    values = {tuple(p): var.get_value() for p, var in nnx.to_flat_state(nnx.state(model))}
-    extra = sorted("/".join(map(str, p)) for p in set(values) - set(names.values()))
-    if extra:
-        raise ValueError(f"model has variables HF's GPT-2 layout has no place for: {extra[:8]}; merge LoRA "
-                         "layers with jaxdp.finetune.merge_lora, and save adapters / soft prompts with nnx state")
-    out_dtype = jnp.dtype(dtype)
-    tensors = {hf: np.asarray(jax.device_get(values[p])).astype(out_dtype) for hf, p in names.items()}
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    hf_config = dict(config_to_hf(model.config), torch_dtype=dtype)
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(hf_config, f, indent=2)
-    write_safetensors(os.path.join(path, WEIGHTS_FILE), tensors, {"format": "pt"})
+    hf_checkpoint.save_checkpoint(model, path, config_to_hf(model.config), hf_names(model.config.n_layer), dtype,
+                                  "HF's GPT-2 layout")

@@ -1,0 +1,118 @@
+"""Hugging Face checkpoint directories: what `hf_gpt2` and `hf_llama` share.
+
+A checkpoint directory holds `config.json` and `model.safetensors` (or a
+sharded `model.safetensors.index.json` and its files), as written by
+`transformers`' `save_pretrained` or downloaded from the hub. Local files
+only: nothing here reaches a network. Each model module maps HF tensor names
+to its parameter paths (`Names`: name -> (path, transposed)); `load_state`
+fills an abstract model from the tensors with errors that name the file and
+the key, `save_checkpoint` writes the directory back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdp.models.safetensors_io import read_safetensors, write_safetensors
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
+# {HF tensor name: (our parameter path, whether HF stores it transposed: torch's Linear (out, in))}
+Names = dict[str, tuple[tuple, bool]]
+
+
+def read_config(path: str) -> dict:
+    """The directory's `config.json` as a dict; FileNotFoundError / ValueError naming the file."""
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"HF checkpoint {path!r} has no {CONFIG_FILE} (expected {file})")
+    try:
+        with open(file) as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    return hf
+
+
+def read_tensors(path: str, prefix: str) -> tuple[dict[str, tuple[np.ndarray, str]], str]:
+    """({name without `prefix`: (array, the file it came from)}, the weights file or index)."""
+    single, index = os.path.join(path, WEIGHTS_FILE), os.path.join(path, INDEX_FILE)
+    if os.path.isfile(single):
+        files, source = [single], single
+    elif os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: missing its 'weight_map' object")
+        files, source = [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())], index
+    else:
+        others = [n for n in ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack")
+                  if os.path.exists(os.path.join(path, n))]
+        hint = f"; found {others}: re-save it with safe_serialization=True" if others else ""
+        raise FileNotFoundError(f"HF checkpoint {path!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
+    tensors = {}
+    for file in files:
+        for name, array in read_safetensors(file).items():
+            tensors[name.removeprefix(prefix)] = (array, file)
+    return tensors, source
+
+
+def load_state(abstract: nnx.Module, tensors: dict, source: str, names: Names, what: str):
+    """`abstract` (from `nnx.eval_shape`) with every variable read from `tensors` (float32).
+
+    `what` describes the model for messages ("a GPT-2 with n_layer=2"). ValueError for an unexpected,
+    missing or wrongly shaped tensor, naming its file and key."""
+    unexpected = sorted(n for n in tensors if n not in names)
+    if unexpected:
+        raise ValueError(f"{tensors[unexpected[0]][1]}: unexpected tensor(s) {unexpected[:8]} for {what} "
+                         f"(from {CONFIG_FILE})")
+    graphdef, state = nnx.split(abstract)
+    by_path = {path: (hf, transposed) for hf, (path, transposed) in names.items()}
+    leaves = []
+    for var_path, var in nnx.to_flat_state(state):
+        hf, transposed = by_path[tuple(var_path)]
+        if hf not in tensors:
+            raise ValueError(f"{source}: tensor {hf!r} is missing ({what}, from {CONFIG_FILE})")
+        array, file = tensors[hf]
+        array = np.asarray(array, dtype=np.float32)
+        shape = tuple(var.shape[::-1]) if transposed else tuple(var.shape)
+        if tuple(array.shape) != shape:
+            raise ValueError(f"{file}: tensor {hf!r} has shape {tuple(array.shape)}, expected {shape} "
+                             f"from {CONFIG_FILE}")
+        leaves.append((var_path, var.replace(jnp.asarray(array.T if transposed else array))))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def save_checkpoint(model: nnx.Module, path, hf_config: dict, names: Names, dtype: str, layout: str) -> None:
+    """Writes `model`'s variables as `names` says, and `hf_config`, as an HF checkpoint directory.
+
+    `layout` names the HF layout for the message when the model has variables it has no place for
+    (LoRA layers must be merged first, `jaxdp.finetune.merge_lora`; adapters and soft prompts are refused).
+    """
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"dtype must be one of {SAVE_DTYPES}, got {dtype!r}")
+    values = {tuple(p): var.get_value() for p, var in nnx.to_flat_state(nnx.state(model))}
+    extra = sorted("/".join(map(str, p)) for p in set(values) - {p for p, _ in names.values()})
+    if extra:
+        raise ValueError(f"model has variables {layout} has no place for: {extra[:8]}; merge LoRA "
+                         "layers with jaxdp.finetune.merge_lora, and save adapters / soft prompts with nnx state")
+    out_dtype = jnp.dtype(dtype)
+    tensors = {}
+    for hf, (p, transposed) in names.items():
+        array = np.asarray(jax.device_get(values[p]))
+        tensors[hf] = np.ascontiguousarray(array.T if transposed else array).astype(out_dtype)
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump(dict(hf_config, torch_dtype=dtype), f, indent=2)
+    write_safetensors(os.path.join(path, WEIGHTS_FILE), tensors, {"format": "pt"})

@@ -1,0 +1,182 @@
+"""Hugging Face Llama import / export: logits against a float64 NumPy Llama in HF's layout, round trip, errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+
+import numpy as np
+import pytest
+from flax import nnx
+from test_hf_gpt2 import write_checkpoint
+
+from jaxdp.models.hf_llama import load_hf_llama, save_hf_llama
+from jaxdp.models.safetensors_io import read_safetensors
+
+N_LAYER, N_HEAD, N_KV, D, D_FF, VOCAB = 2, 4, 2, 32, 48, 61
+HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+             "num_hidden_layers": N_LAYER, "num_attention_heads": N_HEAD, "num_key_value_heads": N_KV,
+             "hidden_size": D, "intermediate_size": D_FF, "vocab_size": VOCAB, "max_position_embeddings": 64,
+             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}}
+TIED = dict(HF_CONFIG, tie_word_embeddings=True, rope_scaling=None, rope_theta=10000.0)
+
+
+def random_hf_tensors(seed, tied=False):
+    """A random Llama in HF's names (`model.` prefix) and torch Linear (out, in) layout."""
+    rng = np.random.default_rng(seed)
+    H = D // N_HEAD
+
+    def normal(*shape, std=0.3):
+        return (std * rng.standard_normal(shape)).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": normal(VOCAB, D), "model.norm.weight": 1 + normal(D, std=0.1)}
+    shapes = {"self_attn.q_proj": (N_HEAD * H, D), "self_attn.k_proj": (N_KV * H, D), "self_attn.v_proj": (N_KV * H, D),
+              "self_attn.o_proj": (D, N_HEAD * H), "mlp.gate_proj": (D_FF, D), "mlp.up_proj": (D_FF, D),
+              "mlp.down_proj": (D, D_FF)}
+    for i in range(N_LAYER):
+        p = f"model.layers.{i}."
+        for name, (o, n) in shapes.items():
+            t[p + name + ".weight"] = normal(o, n, std=1 / np.sqrt(n))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            t[p + norm + ".weight"] = 1 + normal(D, std=0.1)
+    if not tied:
+        t["lm_head.weight"] = normal(VOCAB, D)
+    return t
+
+
+def hf_inv_freq(config):
+    """HF's rotary inverse frequencies, with `_compute_llama3_parameters` when rope_scaling is set."""
+    H = D // N_HEAD
+    inv = 1.0 / config["rope_theta"] ** (np.arange(0, H, 2, dtype=np.float64) / H)
+    s = config["rope_scaling"]
+    if s is None:
+        return inv
+    factor, low, high, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / inv
+    llama = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * llama / factor + smooth * llama
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, smoothed, llama)
+
+
+def hf_forward_f64(t, tokens_BT, config):
+    """Llama logits as HF's modeling_llama computes them, in float64 NumPy, from HF tensor names."""
+    t = {k.removeprefix("model."): np.asarray(v, np.float64) for k, v in t.items()}
+    B, T = tokens_BT.shape
+    H, rep = D // N_HEAD, N_HEAD // N_KV
+
+    def rms(x, name):
+        return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + config["rms_norm_eps"]) * t[name + ".weight"]
+
+    def linear(x, name):  # torch Linear: x @ weight.T
+        return x @ t[name + ".weight"].T
+
+    def rope(x):  # (B, heads, T, H), rotate_half
+        freqs = np.arange(T)[:, None] * hf_inv_freq(config)[None, :]
+        emb = np.concatenate([freqs, freqs], -1)
+        x1, x2 = x[..., :H // 2], x[..., H // 2:]
+        return x * np.cos(emb) + np.concatenate([-x2, x1], -1) * np.sin(emb)
+
+    h = t["embed_tokens.weight"][tokens_BT]
+    causal = np.tril(np.ones((T, T), bool))
+    for i in range(N_LAYER):
+        p = f"layers.{i}."
+        x = rms(h, p + "input_layernorm")
+        q = rope(linear(x, p + "self_attn.q_proj").reshape(B, T, N_HEAD, H).transpose(0, 2, 1, 3))
+        k = rope(linear(x, p + "self_attn.k_proj").reshape(B, T, N_KV, H).transpose(0, 2, 1, 3))
+        v = linear(x, p + "self_attn.v_proj").reshape(B, T, N_KV, H).transpose(0, 2, 1, 3)
+        k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)  # repeat_kv: head n reads kv head n // rep
+        s = np.where(causal, q @ k.transpose(0, 1, 3, 2) / np.sqrt(H), -np.inf)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        a = ((w / w.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(B, T, N_HEAD * H)
+        h = h + linear(a, p + "self_attn.o_proj")
+        x = rms(h, p + "post_attention_layernorm")
+        gate = linear(x, p + "mlp.gate_proj")
+        h = h + linear(gate / (1 + np.exp(-gate)) * linear(x, p + "mlp.up_proj"), p + "mlp.down_proj")
+    head = t["embed_tokens.weight"] if config["tie_word_embeddings"] else t["lm_head.weight"]
+    return rms(h, "norm") @ head.T
+
+
+@pytest.mark.parametrize("config", [HF_CONFIG, TIED], ids=["untied-llama3-rope", "tied-plain-rope"])
+def test_logits_equal_float64_hf_forward(tmp_path, config):
+    tensors = random_hf_tensors(seed=1, tied=config["tie_word_embeddings"])
+    model = load_hf_llama(write_checkpoint(tmp_path, tensors, config))
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (3, 40))
+    expected = hf_forward_f64(tensors, tokens, config)
+    actual = np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens), np.float64)
+    assert np.abs(expected).max() > 1.0  # logits of order one: the comparison is not of near-zeros
+    err = np.abs(actual - expected).max() / np.abs(expected).max()
+    assert err <= 1e-5, err
+    # Planted: a small change of one weight, the key / value head grouping, or the RoPE scaling is caught.
+    k = "model.layers.1.self_attn.k_proj.weight"
+    planted = dict(tensors, **{k: tensors[k] + 1e-3})
+    assert np.abs(hf_forward_f64(planted, tokens, config) - actual).max() / np.abs(expected).max() > 1e-5
+    swapped = dict(tensors, **{k: np.roll(tensors[k], D // N_HEAD, axis=0)})
+    assert np.abs(hf_forward_f64(swapped, tokens, config) - actual).max() / np.abs(expected).max() > 1e-5
+    other = dict(config, rope_theta=config["rope_theta"] * 2)
+    assert np.abs(hf_forward_f64(tensors, tokens, other) - actual).max() / np.abs(expected).max() > 1e-5
+
+
+def test_round_trip_is_byte_identical(tmp_path):
+    tensors = random_hf_tensors(seed=3)
+    model = load_hf_llama(write_checkpoint(tmp_path / "in", tensors, HF_CONFIG), dtype="bfloat16", remat="full")
+    assert model.config.dtype == "bfloat16" and model.config.rope_scaling == 8.0
+    save_hf_llama(model, tmp_path / "out")
+    saved = read_safetensors(tmp_path / "out" / "model.safetensors")
+    assert set(saved) == set(tensors)
+    for name, array in saved.items():
+        assert array.dtype == np.float32 and array.tobytes() == tensors[name].tobytes(), name
+    with open(tmp_path / "out" / "config.json") as f:
+        written = json.load(f)
+    assert {k: written[k] for k in HF_CONFIG if k != "architectures"} == \
+        {k: v for k, v in HF_CONFIG.items() if k != "architectures"}
+    assert load_hf_llama(tmp_path / "out").config == load_hf_llama(tmp_path / "in").config
+
+
+def test_bad_checkpoints_are_named(tmp_path):
+    good = random_hf_tensors(seed=4)
+    k = "model.layers.1.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=f"model.safetensors: tensor '{k[6:]}' has shape"):
+        load_hf_llama(write_checkpoint(tmp_path / "shape", dict(good, **{k: good[k].T.copy()}), HF_CONFIG))
+    with pytest.raises(ValueError, match="model.safetensors: tensor 'lm_head.weight' is missing"):
+        load_hf_llama(write_checkpoint(tmp_path / "nohead", {n: v for n, v in good.items() if n != "lm_head.weight"},
+                                       HF_CONFIG))
+    tied = dict(random_hf_tensors(seed=4, tied=True), **{"lm_head.weight": good["lm_head.weight"]})
+    with pytest.raises(ValueError, match="lm_head.weight.*differs.*tie_word_embeddings"):
+        load_hf_llama(write_checkpoint(tmp_path / "untied", tied, TIED))
+    for key, value, match in [("hidden_act", "gelu", "hidden_act='gelu'.*allowed"),
+                              ("attention_bias", True, "attention_bias"),
+                              ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling=.*llama3"),
+                              ("intermediate_size", None, "missing key 'intermediate_size'")]:
+        path = write_checkpoint(tmp_path / key, good, dict(HF_CONFIG, **{key: value}))
+        with pytest.raises(ValueError, match="config.json: " + match):
+            load_hf_llama(path)
+    with pytest.raises(ValueError, match=r"config_overrides may only set"):
+        load_hf_llama(write_checkpoint(tmp_path / "ok", good, HF_CONFIG), n_layer=1)
+
+
+def test_dp_lora_on_imported_llama_equals_reference(tmp_path):
+    """DP-LoRA on q / v of an imported Llama: clipped sums equal the vmap reference (flat and per layer)."""
+    from test_finetune import RTOL, fast_and_reference, numpy_by_path, rel_err
+
+    from dp_testing import lm_batch
+    from jaxdp import finetune
+
+    model = load_hf_llama(write_checkpoint(tmp_path, random_hf_tensors(seed=5), HF_CONFIG))
+    finetune.prepare(model, "lora", rank=4, lora_targets=("attn/q_proj", "attn/v_proj"), rngs=nnx.Rngs(6))
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):  # LoRA's B starts at 0: give it values
+        var.set_value(0.1 * np.random.default_rng(len(path)).standard_normal(var.shape).astype(np.float32))
+    assert {p[-2] for p in finetune.trainable_paths(model)} == {"lora_a", "lora_b"}
+    batch = lm_batch(seed=7, B=4, T=10, vocab_size=VOCAB)
+    graphdef, state = nnx.split(model)
+    norms = np.asarray(fast_and_reference(graphdef, state, batch, jnp.float32(1e6))["flat"]["norms"]["all"])
+    norms = np.sort(norms[norms > 0])  # C strictly between the per-example norms: some examples clipped
+    out = jax.device_get(fast_and_reference(graphdef, state, batch, jnp.float32(np.sqrt(norms[0] * norms[-1]))))
+    for clipping, sums in out.items():
+        assert rel_err(numpy_by_path(sums["fast"]), numpy_by_path(sums["expected"])) <= RTOL, clipping
+    assert rel_err(numpy_by_path(out["flat"]["fast"]), numpy_by_path(out["flat"]["planted"])) > 10 * RTOL
+    with pytest.raises(ValueError, match="'bitfit' leaves no trainable parameter in this Llama"):
+        finetune.prepare(load_hf_llama(tmp_path), "bitfit", rngs=nnx.Rngs(0))
