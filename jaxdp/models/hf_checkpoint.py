@@ -44,6 +44,30 @@ def read_config(path: str) -> dict:
     return hf
 
 
+class ConfigReader:
+    """Reads an HF `config.json` dict with errors that name the file (`source`) and the key."""
+
+    def __init__(self, hf: dict, source: str, model: str, overrides: dict, overridable: tuple):
+        bad = sorted(set(overrides) - set(overridable))
+        if bad:
+            raise ValueError(f"config_overrides may only set {overridable} (the shapes come from {source}); "
+                             f"got {bad}")
+        self.hf, self.source, self.model = hf, source, model
+
+    def need(self, key: str, *alternatives: str):
+        """The value of `key` (or of the first alternative present); ValueError when none is."""
+        for k in (key, *alternatives):
+            if self.hf.get(k) is not None:
+                return self.hf[k]
+        raise ValueError(f"{self.source}: missing key {key!r} (an HF {self.model} config.json has it)")
+
+    def refuse(self, key: str, default, allowed: tuple, why: str) -> None:
+        """ValueError unless the value of `key` (`default` when absent) is one of `allowed`."""
+        value = self.hf.get(key, default)
+        if value not in allowed:
+            raise ValueError(f"{self.source}: {key}={value!r} is not supported ({why}); allowed: {allowed}")
+
+
 def read_tensors(path: str, prefix: str) -> tuple[dict[str, tuple[np.ndarray, str]], str]:
     """({name without `prefix`: (array, the file it came from)}, the weights file or index)."""
     single, index = os.path.join(path, WEIGHTS_FILE), os.path.join(path, INDEX_FILE)

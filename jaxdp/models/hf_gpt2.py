@@ -50,21 +50,8 @@ def hf_names(n_layer: int) -> hf_checkpoint.Names:
 
 def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> GPT2Config:
     """`GPT2Config` of an HF GPT-2 `config.json` dict; ValueError naming `source` and the key otherwise."""
-    bad = sorted(set(overrides) - set(OVERRIDABLE))
-    if bad:
-        raise ValueError(f"config_overrides may only set {OVERRIDABLE} (the shapes come from {source}); got {bad}")
-
-    def need(key, *alternatives):
-        for k in (key, *alternatives):
-            if hf.get(k) is not None:
-                return hf[k]
-        raise ValueError(f"{source}: missing key {key!r} (an HF GPT-2 config.json has it)")
-
-    def refuse(key, default, allowed, why):
-        value = hf.get(key, default)
-        if value not in allowed:
-            raise ValueError(f"{source}: {key}={value!r} is not supported ({why}); allowed: {allowed}")
-
+    cfg = hf_checkpoint.ConfigReader(hf, source, "GPT-2", overrides, OVERRIDABLE)
+    need, refuse = cfg.need, cfg.refuse
     refuse("model_type", "gpt2", ("gpt2",), "only GPT-2 checkpoints load into jaxdp's GPT2")
     refuse("activation_function", "gelu_new", ACTIVATIONS, "jaxdp's GPT-2 uses the tanh GELU")
     refuse("tie_word_embeddings", True, (True,), "jaxdp's GPT-2 ties its head to wte")

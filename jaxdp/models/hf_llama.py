@@ -55,20 +55,8 @@ def hf_names(config: LlamaConfig) -> hf_checkpoint.Names:
 
 def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> LlamaConfig:
     """`LlamaConfig` of an HF Llama `config.json` dict; ValueError naming `source` and the key otherwise."""
-    bad = sorted(set(overrides) - set(OVERRIDABLE))
-    if bad:
-        raise ValueError(f"config_overrides may only set {OVERRIDABLE} (the shapes come from {source}); got {bad}")
-
-    def need(key):
-        if hf.get(key) is None:
-            raise ValueError(f"{source}: missing key {key!r} (an HF Llama config.json has it)")
-        return hf[key]
-
-    def refuse(key, default, allowed, why):
-        value = hf.get(key, default)
-        if value not in allowed:
-            raise ValueError(f"{source}: {key}={value!r} is not supported ({why}); allowed: {allowed}")
-
+    cfg = hf_checkpoint.ConfigReader(hf, source, "Llama", overrides, OVERRIDABLE)
+    need, refuse = cfg.need, cfg.refuse
     refuse("model_type", "llama", ("llama",), "only Llama checkpoints load into jaxdp's Llama")
     refuse("hidden_act", "silu", ("silu",), "jaxdp's Llama uses SwiGLU with SiLU")
     refuse("attention_bias", False, (False,), "jaxdp's Llama has no biases")
@@ -78,7 +66,7 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> LlamaCon
     scaling = hf.get("rope_scaling")
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        if kind != "llama3" or any(float(scaling.get(k, -1)) != v for k, v in LLAMA3_ROPE.items()):
+        if kind != "llama3" or any(scaling.get(k) != v for k, v in LLAMA3_ROPE.items()):
             raise ValueError(f"{source}: rope_scaling={scaling!r} is not supported; allowed: None, or "
                              f"rope_type 'llama3' with {LLAMA3_ROPE} and any factor")
         if scaling.get("factor") is None:
