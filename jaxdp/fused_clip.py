@@ -78,7 +78,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     paths, factored, treedef = flatten_grads(grads)
     groups = [clipping_lib.group_of(p, clipping) for p in paths]
     thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
-    single = {}
+    single, single_roots = {}, {}  # single_roots: the single-pass parameter's other terms' |T_i| summed
     if strategy == "pallas" and squared_norms_fn is None:
         from jaxdp.pallas import single_pass as single_pass_lib  # imports jax.experimental.pallas only when used
         single = single_pass_lib.single_linear_terms(factored, groups)
@@ -93,9 +93,11 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
             sq, bound = squared_norms_fn(grad)
         else:
             skip = single[group][1] if single.get(group, (None,))[0] == i else None
-            sq = norms_lib.squared_norms(grad, strategy, chunk_size=chunk_size,
-                                         memory_budget_bytes=memory_budget_bytes, skip_self=skip)
-            bound = norms_lib.rounding_bound(grad, sq)  # the single-pass kernel's own sum: in its clip_factors_fn
+            sq, roots = norms_lib.squared_norms_and_roots(grad, strategy, chunk_size=chunk_size,
+                                                          memory_budget_bytes=memory_budget_bytes, skip_self=skip)
+            bound = norms_lib.rounding_bound(grad, roots)  # the single-pass kernel adds its own term's share
+            if skip is not None:
+                single_roots[group] = roots
         sq_by_group[group] = sq if group not in sq_by_group else sq_by_group[group] + sq
         bound_by_group[group] = bound if group not in bound_by_group else bound_by_group[group] + bound
 
@@ -104,7 +106,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
 
     if single:
         linear_sums, sq_by_group, bound_by_group, keep_pre_B = single_pass_lib.single_pass_sums(
-            factored, single, sq_by_group, bound_by_group, factors_of, chunk_size)
+            factored, single, sq_by_group, bound_by_group, single_roots, factors_of, chunk_size)
     norms = {g: clipping_lib.guarded_norms(sq, bound_by_group[g]) for g, sq in sq_by_group.items()}
     keep_B = clipping_lib.kept_examples(norms)
     factors = {g: factors_of(n, g, keep_B) for g, n in norms.items()}
@@ -133,7 +135,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
 
 # Materialised per-example gradients: small dense ones (biases, norm scales) and the G_b that strategy
 # "store" / "auto" keeps. Their squared norms are sums of squares: no cancellation, but a relative
-# rounding error that grows with the size (`jaxdp.norms.sum_of_squares_bound`); the clipped contribution
+# rounding error that grows with the size (`jaxdp.norms.final_sums_bound`); the clipped contribution
 # IS c_b times the array whose norm was taken. The small ones of every group
 # sit side by side in one block (B, G, W), each group's row zero-padded to the widest, so that their
 # norms and clipped sums are one reduction each for all groups, not one per group or parameter (GPT-2
@@ -190,7 +192,7 @@ def _materialized_sq_norms(dense: dict, groups) -> tuple[dict, dict]:
     sq, bound = {}, {}
 
     def add(group, part_B, K):
-        part_bound = norms_lib.sum_of_squares_bound(part_B, K)
+        part_bound = norms_lib.final_sums_bound(jnp.sqrt(part_B), K)
         sq[group] = part_B if group not in sq else sq[group] + part_B
         bound[group] = part_bound if group not in bound else bound[group] + part_bound
 

@@ -41,8 +41,9 @@ example's magnitude A_b^2, A_b = sum over terms of sum_t |x_bt| |g_bt|
 (`term_magnitude`): `rounding_bound` returns kappa A_b^2 with
 kappa = 2 u sqrt(K), u the unit roundoff of the accumulation dtype and K the
 longest reduction over tokens, inputs or outputs (T + P + D for a linear
-term), plus a relative kappa(N) s for the final accumulation of the N
-squared entries (`sum_of_squares_bound`). The ghost rule's final sum over
+term), plus kappa(N) (sum_i |T_i|)^2 for the final sums over the N
+entries of the gradient (`final_sums_bound`: relative to the terms' norms,
+not to their total, which cancellation between terms can make tiny). The ghost rule's final sum over
 T^2 Gram products is not a sum of N squares, but its row sums are
 <x_t g_t^T, G> (at most |x_t| |g_t| |G|), so its partial sums stay within A
 |G| when it is accumulated by rows or columns (measured at T = 2048 on
@@ -328,35 +329,36 @@ def _coefficient(dtype, K: int) -> float:
     return ROUNDING_SAFETY * float(jnp.finfo(dtype).eps) / 2 * math.sqrt(K)
 
 
-def sum_of_squares_bound(sq_B: jax.Array, K: int) -> jax.Array:
-    """kappa sq_B (B,): a bound on the rounding error of `sq_B`, sums of K squares each (a materialised
-    per-example gradient's squared norm, accumulated in sq_B's dtype). No cancellation is possible in a
-    sum of squares, so the error is relative: u sqrt(K) in the same rounding model as `rounding_bound`,
-    above `jaxdp.clipping.ROUNDING_DELTA` from K ~ 4e6 float32 elements (GPT-2's tied head: 3.9e7)."""
-    return _coefficient(sq_B.dtype, K) * sq_B
+def final_sums_bound(roots_B: jax.Array, N: int) -> jax.Array:
+    """kappa(N) roots_B^2 (B,): a bound on the rounding error of final sums over N entries whose terms
+    have norms adding up to roots_B (a materialised gradient's sum of squares: roots_B = its norm). No
+    cancellation inside such a sum can shrink the bound: it scales with the parts, in the same rounding
+    model as `rounding_bound`; above `jaxdp.clipping.ROUNDING_DELTA` from N ~ 4e6 float32 entries
+    (GPT-2's tied head: 3.9e7)."""
+    scaled = math.sqrt(_coefficient(roots_B.dtype, N)) * roots_B  # no overflow of roots^2
+    return scaled * scaled
 
 
-def rounding_bound(grad: FactoredGrad, sq_B: jax.Array, magnitude_B: jax.Array | None = None, *,
+def rounding_bound(grad: FactoredGrad, roots_B: jax.Array, magnitude_B: jax.Array | None = None, *,
                    seq_shards: int = 1) -> jax.Array:
-    """A bound (B,) on |computed - true| of `sq_B`, the squared norms `squared_norms(grad)` computed
-    under any strategy: kappa A_b^2 for the products, Gram entries and cancelling sums (module
-    docstring), plus `sum_of_squares_bound(max(sq_B, 0), N)` for the final accumulation of instantiate
-    and the kernels, which square and sum the N entries of the gradient (no cancellation: an error
-    relative to the result, above `ROUNDING_DELTA` only for N over ~4e6 float32 entries).
+    """A bound (B,) on |computed - true| of the squared norms of `grad` under any strategy: kappa A_b^2
+    for the products, Gram entries and cancelling sums (module docstring), plus `final_sums_bound(roots_B,
+    N)` for the final sums over the gradient's N entries (instantiate, the kernels).
 
-    `magnitude_B` defaults to the sum of the terms' `term_magnitude`s (the
-    context-parallel step passes the sum over sequence shards).
+    `roots_B`: the sum over terms of |T_i| as computed (`squared_norms_and_roots`), or sqrt(s) where
+    the squared norm s is one sum of squares of the combined gradient. `magnitude_B` defaults to the
+    sum of the terms' `term_magnitude`s (the context-parallel step passes the sum over sequence shards).
     """
     if magnitude_B is None:
         magnitude_B = sum(term_magnitude(t) for t in grad.terms)
     scaled = math.sqrt(rounding_coefficient(grad, seq_shards=seq_shards)) * magnitude_B  # no overflow of A^2
-    return scaled * scaled + sum_of_squares_bound(jnp.maximum(sq_B, 0).astype(scaled.dtype), math.prod(grad.shape))
+    return scaled * scaled + final_sums_bound(roots_B.astype(scaled.dtype), math.prod(grad.shape))
 
 
 def squared_norms_with_bound(grad: FactoredGrad, strategy: str = "auto", **kwargs) -> tuple[jax.Array, jax.Array]:
     """(`squared_norms(grad, strategy, **kwargs)`, their `rounding_bound`): the default `SquaredNormsFn`."""
-    sq = squared_norms(grad, strategy=strategy, **kwargs)
-    return sq, rounding_bound(grad, sq)
+    sq, roots = squared_norms_and_roots(grad, strategy=strategy, **kwargs)
+    return sq, rounding_bound(grad, roots)
 
 
 def squared_norms(grad: FactoredGrad, strategy: str = "auto", *, chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -367,15 +369,29 @@ def squared_norms(grad: FactoredGrad, strategy: str = "auto", *, chunk_size: int
     `skip_self=i` leaves out the self pair <T_i, T_i> (computed elsewhere, e.g.
     by the single-pass kernel); the result is then zeros if nothing is left.
     """
+    return squared_norms_and_roots(grad, strategy, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes,
+                                   skip_self=skip_self)[0]
+
+
+def squared_norms_and_roots(grad: FactoredGrad, strategy: str = "auto", *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                            memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+                            skip_self: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(`squared_norms(...)`, the sum over the self pairs it computed of sqrt(<T_i, T_i>)), (B,) each.
+
+    The second scales the rounding of the final sums (`rounding_bound`): a pair's final sum errs
+    relative to |T_i| |T_j|, not to the total, which cancellation between terms can make tiny.
+    """
     check_strategy(strategy)
     kw = dict(chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes)
     terms = grad.terms
-    total = jnp.zeros((grad.batch_size,), jnp.float32) if skip_self is not None else None
+    total = jnp.zeros((grad.batch_size,), jnp.float32)
+    roots = jnp.zeros((grad.batch_size,), jnp.float32)
     for i, a in enumerate(terms):
         for j in range(i, len(terms)):
             if i == j == skip_self:
                 continue
             inner = pair_inner(a, terms[j], strategy, **kw)
-            inner = inner if i == j else 2 * inner
-            total = inner if total is None else total + inner
-    return total
+            if i == j:
+                roots = roots + jnp.sqrt(jnp.maximum(inner, 0))
+            total = total + (inner if i == j else 2 * inner)
+    return total, roots

@@ -173,8 +173,7 @@ def test_guard_leaves_ordinary_norms_alone():
     x = jax.random.normal(jax.random.key(0), (8, 16, 64))
     g = jax.random.normal(jax.random.key(1), (8, 16, 96))
     grad = FactoredGrad((LinearTerm(x, g),))
-    sq = jaxdp.squared_norms(grad, "ghost")
-    bound = jaxdp.norms.rounding_bound(grad, sq)
+    sq, bound = jaxdp.norms.squared_norms_with_bound(grad, "ghost")
     assert float(jnp.max(bound / sq)) < clipping_lib.ROUNDING_DELTA
     np.testing.assert_array_equal(clipping_lib.guarded_norms(sq, bound), jnp.sqrt(sq))
 
@@ -188,36 +187,65 @@ def test_guarded_norm_bounds_the_true_norm():
         assert np.all(true_linear_norms(x, g)[0] <= np.asarray(guarded, np.float64) * clipping_lib.SENSITIVITY_FACTOR)
 
 
-@pytest.mark.parametrize("strategy", ["dense", "store", "instantiate", "pallas"])
-def test_large_gradients_carry_the_rounding_bound_of_their_sum_of_squares(strategy, monkeypatch):
-    """A squared norm that ends in a sum of the gradient's N squared entries (a materialised G_b or
-    dense gradient, instantiate, the single-pass kernel) may be u sqrt(N) low in the rounding model;
-    at N = 8.4e6 entries that is more than the 2**-12 the sensitivity allows. Planted: that sum comes
-    out 0.9 kappa(N) low (an error the model allows); the contribution must stay within C'."""
+def _large_gradients(kind, P=2048, D=4096, frac=2e-4):
+    """One example's {name: FactoredGrad} with N = P D = 8.4e6 entries: random ("dense", "linear"), or two
+    terms whose sum cancels to sqrt(frac) of each ("tied": lookup row v, head -v + small; "shared": one
+    weight used twice, x_2 = x_1, g_2 = -g_1 + small)."""
+    rng = np.random.default_rng(11)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    if kind == "dense":
+        return {"w": FactoredGrad((jaxdp.terms.DenseTerm(f32(rng.standard_normal((1, P, D)))),))}
+    if kind == "linear":
+        return {"w": FactoredGrad((LinearTerm(f32(rng.standard_normal((1, 2, P))), f32(rng.standard_normal((1, 2, D)))),))}
+    v = rng.standard_normal((1, 1, D))
+    small = rng.standard_normal((1, 1, D))
+    small *= np.sqrt(frac) * np.linalg.norm(v) / np.linalg.norm(small)
+    if kind == "tied":
+        onehot = np.zeros((1, 1, P))
+        onehot[0, 0, 7] = 1.0
+        return {"wte": FactoredGrad((EmbedTerm(jnp.full((1, 1), 7, jnp.int32), f32(10 * v), P),
+                                     LinearTerm(f32(onehot), f32(10 * (-v + small)))))}
+    x = f32(rng.standard_normal((1, 1, P)))
+    return {"w": FactoredGrad((LinearTerm(x, f32(v)), LinearTerm(x, f32(-v + small))))}
+
+
+LARGE_CASES = [("dense", "store"), ("linear", "store"), ("linear", "instantiate"), ("linear", "pallas"),
+               ("tied", "instantiate"), ("tied", "pallas"), ("shared", "instantiate"), ("shared", "pallas")]
+
+
+@pytest.mark.parametrize("kind,strategy", LARGE_CASES, ids=[f"{k}-{s}" for k, s in LARGE_CASES])
+def test_large_gradients_carry_the_rounding_bound_of_their_final_sums(kind, strategy, monkeypatch):
+    """A squared norm that ends in sums over the gradient's N entries (a materialised G_b's sum of squares,
+    instantiate's, the single-pass kernel's) may be u sqrt(N) low relative to its parts in the rounding
+    model: at N = 8.4e6 more than the 2**-12 the sensitivity allows. Planted: every such sum of a term's
+    squares comes out 0.9 kappa(N) low (an error the model allows), also where two terms cancel (the
+    error is relative to each term, not to their tiny total); the contribution must stay within C'."""
     import sys
     from jaxdp.pallas import single_pass
     fused_clip = sys.modules["jaxdp.fused_clip"]  # the module (jaxdp.fused_clip is the transform)
-    P, D = 2048, 4096
-    rng = np.random.default_rng(11)
-    if strategy == "dense":
-        grads = {"w": FactoredGrad((jaxdp.terms.DenseTerm(jnp.asarray(rng.standard_normal((1, P, D)), jnp.float32)),))}
-    else:
-        x, g = rng.standard_normal((1, 2, P)), rng.standard_normal((1, 2, D))
-        grads = {"w": FactoredGrad((LinearTerm(jnp.asarray(x, jnp.float32), jnp.asarray(g, jnp.float32)),))}
-    low = 1 - 0.9 * float(jaxdp.norms.sum_of_squares_bound(jnp.ones((), jnp.float32), P * D))
+    grads = _large_gradients(kind)
+    low = 1 - 0.9 * float(jaxdp.norms.final_sums_bound(jnp.ones((), jnp.float32), 2048 * 4096))
     assert 1 - low > clipping_lib.ROUNDING_DELTA  # large enough to matter
-    if strategy in ("dense", "store"):
+    if strategy == "store":
         real = fused_clip._sum_of_squares
         monkeypatch.setattr(fused_clip, "_sum_of_squares", lambda v: real(v) * low)
     elif strategy == "instantiate":
         real = jaxdp.norms._linear_instantiate
-        monkeypatch.setattr(jaxdp.norms, "_linear_instantiate", lambda *a: real(*a) * low)
-    else:
-        real = single_pass.linear_fused_clipped_sum
-        monkeypatch.setattr(single_pass, "linear_fused_clipped_sum", lambda x, g, factors_fn, **kw: real(
-            x, g, lambda layer_sq, *rest: factors_fn(layer_sq * low, *rest), **kw))
-    sums, _ = jaxdp.clipped_aggregate(grads, C, strategy="store" if strategy == "dense" else strategy)
-    out = np.linalg.norm(np.asarray(sums["w"], np.float64))
+        monkeypatch.setattr(jaxdp.norms, "_linear_instantiate",
+                            lambda x, g, x2, g2: real(x, g, x2, g2) * (low if x2 is x and g2 is g else 1))
+    else:  # the kernels' jnp references stand in for them (interpreting them at N = 8.4e6 takes ~15 s each)
+        monkeypatch.setattr(jaxdp.norms, "_linear_self_pallas", lambda term, chunk_size: low * jaxdp.squared_norms(
+            FactoredGrad((term,)), "instantiate"))
+
+        def planted_single(x, g, factors_fn, **kw):  # the kernel's own sum low, in its factors and its output
+            sums, sq = single_pass.linear_fused_clipped_sum_reference(
+                x, g, lambda layer_sq, *rest: factors_fn(layer_sq * low, *rest), **kw)
+            return sums, sq * low
+        monkeypatch.setattr(single_pass, "linear_fused_clipped_sum", planted_single)
+        real_sum = clipping_lib.clipped_sum  # and the XLA clipped sum for the Pallas one
+        monkeypatch.setattr(clipping_lib, "clipped_sum", lambda grad, c, pallas=False: real_sum(grad, c))
+    sums, _ = jaxdp.clipped_aggregate(grads, C, strategy=strategy)
+    out = np.sqrt(sum(np.sum(np.square(np.asarray(v, np.float64))) for v in sums.values()))
     assert out <= C * clipping_lib.SENSITIVITY_FACTOR * (1 + 1e-6), f"a contribution reached C (1 + {out / C - 1:.3g})"
 
 

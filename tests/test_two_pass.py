@@ -100,12 +100,13 @@ def test_planted_error_without_cross_term_is_caught(monkeypatch):
     """Treating the tied embedding's two uses as separate parameters (no cross term) changes the sums."""
     model, batch, C, reference, _ = poisoned_setup()
     expected = reference(model, batch)
-    real = jaxdp.norms.squared_norms
+    real = jaxdp.norms.squared_norms_and_roots
 
     def without_cross_terms(grad, **kw):
-        return sum(real(jaxdp.FactoredGrad((t,)), **kw) for t in grad.terms)
+        parts = [real(jaxdp.FactoredGrad((t,)), **kw) for t in grad.terms]
+        return sum(sq for sq, _ in parts), sum(roots for _, roots in parts)
 
-    monkeypatch.setattr(jaxdp.norms, "squared_norms", without_cross_terms)
+    monkeypatch.setattr(jaxdp.norms, "squared_norms_and_roots", without_cross_terms)
     _, sums, _ = nnx.jit(two_pass.two_pass_clipped_sums(scaled_loss, C))(model, batch)
     assert max_rel_err(sums, expected) > 100 * RTOL
 

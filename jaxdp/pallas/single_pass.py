@@ -185,7 +185,7 @@ def single_linear_terms(factored, groups) -> dict:
     return {g: refs[0] for g, refs in found.items() if len(refs) == 1}
 
 
-def single_pass_sums(factored, single, sq_by_group, bound_by_group, factors_of, chunk_size):
+def single_pass_sums(factored, single, sq_by_group, bound_by_group, roots_by_group, factors_of, chunk_size):
     """Clipped sums of the single linear terms, each G_b tile computed once (`linear_fused_clipped_sum`).
 
     A group's clip factor needs its norm only, which the kernel completes
@@ -214,24 +214,30 @@ def single_pass_sums(factored, single, sq_by_group, bound_by_group, factors_of, 
     for g, (i, j) in single.items():
         term = factored[i].terms[j]
 
-        def clip_factors_fn(layer_sq_E, other_sq_E, bound_E, keep_E, g=g):
-            norms_E = clipping_lib.guarded_norms(layer_sq_E + other_sq_E, bound_E + _own_bound(layer_sq_E, term))
+        def clip_factors_fn(layer_sq_E, other_sq_E, bound_E, keep_E, roots_E, g=g):
+            norms_E = clipping_lib.guarded_norms(layer_sq_E + other_sq_E,
+                                                 bound_E + _own_bound(layer_sq_E, roots_E, term))
             # keep_E False: dropped before the pass, the example contributes exact zeros.
             return factors_of(norms_E, g, keep_E & jnp.isfinite(norms_E))
 
         linear_sums[g], sq_B = linear_fused_clipped_sum(
             term.x_BTP, term.g_BTD, clip_factors_fn,
-            factor_args_B=(sq_by_group[g], bound_by_group[g], keep_pre_B), chunk_size=chunk_size)
+            factor_args_B=(sq_by_group[g], bound_by_group[g], keep_pre_B, roots_by_group[g]), chunk_size=chunk_size)
         sq_by_group[g] = sq_by_group[g] + sq_B
-        bound_by_group[g] = bound_by_group[g] + _own_bound(sq_B, term)
+        bound_by_group[g] = bound_by_group[g] + _own_bound(sq_B, roots_by_group[g], term)
     return linear_sums, sq_by_group, bound_by_group, keep_pre_B
 
 
-def _own_bound(layer_sq, term):
-    """The rounding bound of the kernel's own sum of the P D squares of G_b (`bound_by_group` covers the
-    group's products and other sums). The kernel's factors and the group's final norms must both add it:
-    a factor that differs between the kernel's term and the group's other terms breaks their cancellation."""
-    return norms_lib.sum_of_squares_bound(jnp.maximum(layer_sq, 0), term.x_BTP.shape[2] * term.g_BTD.shape[2])
+def _own_bound(layer_sq, roots, term):
+    """The kernel's share of its parameter's final-sums bound: `norms.final_sums_bound(roots + |T|, N)`
+    less the `final_sums_bound(roots, N)` that `bound_by_group` holds (roots: the parameter's other
+    terms' norms summed, |T| = sqrt(layer_sq)), i.e. kappa(N) |T| (|T| + 2 roots). The kernel's factors
+    and the group's final norms must both add it: a factor that differs between the kernel's term and
+    the group's other terms breaks their cancellation."""
+    N = term.x_BTP.shape[2] * term.g_BTD.shape[2]
+    c = norms_lib.final_sums_bound(jnp.ones((), jnp.float32), N) ** 0.5
+    own = c * jnp.sqrt(jnp.maximum(layer_sq, 0))
+    return own * (own + 2 * c * roots)
 
 
 def redo_if_dropped_late(linear_sums, factored, single, norms, keep_pre_B, keep_B, factors):

@@ -85,11 +85,14 @@ def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
                            sum(norms_lib.term_magnitude(t) for t in partials)])
         total, partial_magnitude = jax.lax.psum(local, axis)
         magnitude = magnitude + partial_magnitude
+    # The final sums err relative to |P| + |E| (`norms.rounding_bound`), not to the total they may cancel to.
+    roots = jnp.sqrt(jnp.maximum(total, 0)) if partials else 0.0
     if lookups:
-        total = total + norms_lib.squared_norms(FactoredGrad(tuple(lookups)), strategy, **kw)
+        lookup_sq, lookup_roots = norms_lib.squared_norms_and_roots(FactoredGrad(tuple(lookups)), strategy, **kw)
+        total, roots = total + lookup_sq, roots + lookup_roots
     cross = [norms_lib.pair_inner(p, e, strategy, **kw) for p in partials for e in lookups]
     if cross:
         total = total + 2 * jax.lax.psum(sum(cross), axis)
-    bound = norms_lib.rounding_bound(grad, total, magnitude, seq_shards=jax.lax.axis_size(axis))
+    bound = norms_lib.rounding_bound(grad, roots, magnitude, seq_shards=jax.lax.axis_size(axis))
     return total, bound
 
