@@ -15,8 +15,9 @@ Rounding. The norm n a clip factor is computed from must not fall below the
 true norm: a computed squared norm s can be far too small, even 0 or
 negative, when the per-example gradient's parts cancel (ghost norms of
 tokens with x_2 = x_1, g_2 = -g_1 + small), and min(1, C_g / n) then lets
-the example through unclipped. `jaxdp.norms.rounding_bound` gives E >= |s -
-true| for every strategy; `guarded_norms` uses
+the example through unclipped; so can underflow (x ~ 1e-20, g ~ 1e18 gave a
+ghost norm of 0). `jaxdp.norms.rounding_bound` gives E >= |s - true| for
+every strategy (rounding, the final sums, underflow); `guarded_norms` uses
 
     n^2 = s+ + max(0, E - delta s+),   s+ = max(s, 0),   delta = 2**-12,
 

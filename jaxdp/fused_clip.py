@@ -105,12 +105,13 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
         return clipping_lib.clip_factors(norms_B, thresholds[group], clip_fn, gamma, keep_B)
 
     if single:
-        linear_sums, sq_by_group, bound_by_group, keep_pre_B = single_pass_lib.single_pass_sums(
+        linear_sums, sq_by_group, bound_by_group, keep_pre_B, applied = single_pass_lib.single_pass_sums(
             factored, single, sq_by_group, bound_by_group, single_roots, factors_of, chunk_size)
     norms = {g: clipping_lib.guarded_norms(sq, bound_by_group[g]) for g, sq in sq_by_group.items()}
     keep_B = clipping_lib.kept_examples(norms)
     factors = {g: factors_of(n, g, keep_B) for g, n in norms.items()}
-    if single:
+    if single:  # a single-pass group's other parameters take the factors its kernel applied (zero if dropped)
+        factors.update({g: jnp.where(keep_B, c, 0).astype(factors[g].dtype) for g, c in applied.items()})
         linear_sums = single_pass_lib.redo_if_dropped_late(linear_sums, factored, single, norms, keep_pre_B,
                                                            keep_B, factors)
     pallas = strategy == "pallas"
@@ -191,17 +192,19 @@ def _materialized_sq_norms(dense: dict, groups) -> tuple[dict, dict]:
     blocks, large = _small_blocks(dense, groups)
     sq, bound = {}, {}
 
-    def add(group, part_B, K):
-        part_bound = norms_lib.final_sums_bound(jnp.sqrt(part_B), K)
+    def add(group, part_B, live_B, K):  # live_B: a non-zero entry (squares below mu may sum to 0)
+        underflow = jnp.where(live_B, norms_lib.squares_underflow(K, part_B.dtype), 0)
+        part_bound = norms_lib.final_sums_bound(jnp.sqrt(part_B), K) + underflow
         sq[group] = part_B if group not in sq else sq[group] + part_B
         bound[group] = part_bound if group not in bound else bound[group] + part_bound
 
     for block in blocks:
-        sq_BG = _sum_of_squares(block.block_BGW)
+        sq_BG, live_BG = _sum_of_squares(block.block_BGW), jnp.any(block.block_BGW != 0, axis=2)
         for row, g in enumerate(block.keys):
-            add(g, sq_BG[:, row], block.block_BGW.shape[2])
+            add(g, sq_BG[:, row], live_BG[:, row], block.block_BGW.shape[2])
     for i in large:
-        add(groups[i], _sum_of_squares(_flat_f32(dense[i])), math.prod(dense[i].shape[1:]))
+        flat = _flat_f32(dense[i])
+        add(groups[i], _sum_of_squares(flat), jnp.any(flat != 0, axis=1), math.prod(dense[i].shape[1:]))
     return sq, bound
 
 

@@ -307,6 +307,55 @@ def term_magnitude(term: Term) -> jax.Array:
     return jnp.sqrt(jnp.sum(jnp.square(v.reshape(v.shape[0], -1)), axis=1))
 
 
+def term_underflow_scale(term: Term) -> jax.Array:
+    """U_b (B,): sum over tokens of max_p |x_tp| + max_d |g_td| (lookups: 1 + max_d |g_td|; dense: 1 +
+    max |V_b|), in the accumulation dtype, over the tokens whose x_t and g_t are not zero (the others add
+    exact zeros to every rule, so an all-zero example, e.g. a padded one, has U_b = 0 and keeps norm 0).
+    No square is taken, so it neither underflows nor overflows where a norm would (`underflow_bound`)."""
+    dt = _acc(*_arrays(term))
+    peak = lambda a: jnp.max(jnp.abs(a.astype(dt)), axis=-1)
+    live = lambda g, u: jnp.where(g > 0, u, 0)
+    if isinstance(term, LinearTerm):
+        x, g = peak(term.x_BTP), peak(term.g_BTD)
+        return jnp.sum(live(jnp.minimum(x, g), x + g), axis=1)
+    if isinstance(term, EmbedTerm):
+        g = peak(term.g_BTD)
+        return jnp.sum(live(g, 1 + g), axis=1)
+    v = peak(term.value_B.reshape(term.value_B.shape[0], -1))
+    return live(v, 1 + v)
+
+
+def squares_underflow(N: int, dtype) -> float:
+    """4 mu N: what underflow can take from a sum of N squares (each square or partial sum below the
+    smallest normal number mu is flushed to zero or kept subnormal, an absolute error below mu)."""
+    return 4 * float(jnp.finfo(dtype).tiny) * N
+
+
+def underflow_bound(grad: FactoredGrad, scale_B: jax.Array | None = None, *, seq_shards: int = 1) -> jax.Array:
+    """A bound (B,) on what underflow can change in the squared norms of `grad` under any strategy:
+    4 mu N (T + 1) U_b^2 + squares_underflow((T^2 + N) n^2), U_b the terms' `term_underflow_scale`s
+    summed, N the parameter's entries, T the tokens, n the terms, mu the accumulation dtype's smallest
+    normal number.
+
+    Why: every product or partial sum below mu loses at most mu. A ghost Gram entry (a sum over P)
+    then errs by at most 2 P mu and meets the other Gram's entries, at most D max|g_t| max|g_s|
+    (ghost: 2 P D mu (sum_t max|g_t|)^2 + the same with x); an instantiated entry (a sum over T) errs
+    by at most 2 T mu and is squared with entries at most sum_t max|x_t| max|g_t| (instantiate:
+    4 N T mu (sum_t max|x_t|) (sum_t max|g_t|)); the T^2 or N final products may each lose mu. Without
+    it an example with x ~ 1e-20, g ~ 1e18 (|G| ~ 1.5) had a ghost norm of 0 and went through
+    unclipped (100 C); for ordinary data it is ~1e-20 of the norm. `scale_B` defaults to the terms'
+    scales summed (the context-parallel step passes the sum over sequence shards).
+    """
+    if scale_B is None:
+        scale_B = sum(term_underflow_scale(t) for t in grad.terms)
+    dtype = _acc(*[a for t in grad.terms for a in _arrays(t)])
+    N = math.prod(grad.shape)
+    T = max((t.g_BTD.shape[1] if not isinstance(t, DenseTerm) else 1) for t in grad.terms) * seq_shards
+    scale_B = scale_B.astype(dtype)
+    scaled = math.sqrt(squares_underflow(N * (T + 1), dtype)) * scale_B  # no overflow of U^2
+    return scaled * scaled + jnp.where(scale_B > 0, squares_underflow((T * T + N) * len(grad.terms) ** 2, dtype), 0)
+
+
 def _reduction_length(term: Term, seq_shards: int) -> int:
     if isinstance(term, LinearTerm):
         return term.x_BTP.shape[1] * seq_shards + term.x_BTP.shape[2] + term.g_BTD.shape[2]
@@ -340,19 +389,22 @@ def final_sums_bound(roots_B: jax.Array, N: int) -> jax.Array:
 
 
 def rounding_bound(grad: FactoredGrad, roots_B: jax.Array, magnitude_B: jax.Array | None = None, *,
-                   seq_shards: int = 1) -> jax.Array:
+                   seq_shards: int = 1, underflow_scale_B: jax.Array | None = None) -> jax.Array:
     """A bound (B,) on |computed - true| of the squared norms of `grad` under any strategy: kappa A_b^2
     for the products, Gram entries and cancelling sums (module docstring), plus `final_sums_bound(roots_B,
-    N)` for the final sums over the gradient's N entries (instantiate, the kernels).
+    N)` for the final sums over the gradient's N entries (instantiate, the kernels), plus
+    `underflow_bound(grad, underflow_scale_B)`.
 
     `roots_B`: the sum over terms of |T_i| as computed (`squared_norms_and_roots`), or sqrt(s) where
     the squared norm s is one sum of squares of the combined gradient. `magnitude_B` defaults to the
-    sum of the terms' `term_magnitude`s (the context-parallel step passes the sum over sequence shards).
+    sum of the terms' `term_magnitude`s (the context-parallel step passes the sum over sequence shards,
+    and so `underflow_scale_B`).
     """
     if magnitude_B is None:
         magnitude_B = sum(term_magnitude(t) for t in grad.terms)
     scaled = math.sqrt(rounding_coefficient(grad, seq_shards=seq_shards)) * magnitude_B  # no overflow of A^2
-    return scaled * scaled + final_sums_bound(roots_B.astype(scaled.dtype), math.prod(grad.shape))
+    return (scaled * scaled + final_sums_bound(roots_B.astype(scaled.dtype), math.prod(grad.shape))
+            + underflow_bound(grad, underflow_scale_B, seq_shards=seq_shards))
 
 
 def squared_norms_with_bound(grad: FactoredGrad, strategy: str = "auto", **kwargs) -> tuple[jax.Array, jax.Array]:

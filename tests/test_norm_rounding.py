@@ -249,6 +249,28 @@ def test_large_gradients_carry_the_rounding_bound_of_their_final_sums(kind, stra
     assert out <= C * clipping_lib.SENSITIVITY_FACTOR * (1 + 1e-6), f"a contribution reached C (1 + {out / C - 1:.3g})"
 
 
+UNDERFLOW_CASES = [(1e-20, 1e18, 1e-2), (1e-19, 1e17, 1e-2), (1e-10, 1e-10, 1e-30), (1.0, 1e-20, 1e-30)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_underflow_cannot_zero_a_norm(strategy):
+    """Inputs whose products underflow: x ~ 1e-20, g ~ 1e18 (|G| ~ 1.5: every Gram entry of x and every
+    |x_t|^2 below float32's smallest normal) and tiny clip norms (C = 1e-30 with |G| ~ 1e-19). Their
+    computed norms came out 0 and the examples went through unclipped (100 C, 2e11 C); each one-example
+    contribution must stay within C' (or be dropped)."""
+    rng = np.random.default_rng(21)
+    for x_scale, g_scale, c_rel in UNDERFLOW_CASES:
+        x = jnp.asarray(x_scale * rng.standard_normal((1, 4, 64)), jnp.float32)
+        g = jnp.asarray(g_scale * rng.standard_normal((1, 4, 96)), jnp.float32)
+        true = np.linalg.norm(np.einsum("tp,td->pd", np.asarray(x[0], np.float64), np.asarray(g[0], np.float64)))
+        clip = float(true * c_rel) if c_rel > 1e-20 else c_rel
+        bias = jnp.asarray(1e-20 * rng.standard_normal((1, 96)), jnp.float32)  # squares underflow: |b| ~ 1e-19
+        grads = {"w": FactoredGrad((LinearTerm(x, g),)), "b": FactoredGrad((jaxdp.terms.DenseTerm(bias),))}
+        sums, _ = jaxdp.clipped_aggregate(grads, clip, strategy=strategy)
+        out = np.sqrt(sum(np.sum(np.square(np.asarray(v, np.float64))) for v in sums.values()))
+        assert out <= clip * clipping_lib.SENSITIVITY_FACTOR * (1 + 1e-6), (x_scale, g_scale, out / clip)
+
+
 def _bf16_step_contributions(clipping, seeds, T=12, strategy="ghost", adapter=True):
     """One example's released contribution / C through the job's jitted DP step: a one-block bf16 tiny
     GPT-2 (with an adapter after mlp/c_proj, the only trainable part, or every parameter trainable;

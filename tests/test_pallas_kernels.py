@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxdp import pallas as jp
+from jaxdp.clipping import SENSITIVITY_FACTOR
 from jaxdp.pallas import _common
 
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -70,6 +71,18 @@ def test_default_blocks_and_bf16_scratch():
     assert rel_err(jp.linear_clipped_sum(x, g, c), jp.linear_clipped_sum_reference(x, g, c)) <= 1e-5
     out = jp.linear_fused_clipped_sum(x, g, clip_factors, scratch_dtype=jnp.bfloat16)
     assert rel_err(out, jp.linear_fused_clipped_sum_reference(x, g, clip_factors)) <= 1e-2
+
+
+def test_bf16_scratch_clips_what_it_sums():
+    """A bfloat16 scratch rounds the G_b tiles the sum reads; the norm must be of those rounded tiles.
+    Entries 1 + 0.6 * 2**-7 all round up (by 0.31%): clipping by the unrounded norm released 1.0031 C."""
+    x = jnp.ones((1, 1, 40), jnp.float32)
+    g = jnp.full((1, 1, 24), 1 + 0.6 * 2.0 ** -7, jnp.float32)
+    C = 1.0
+    out, _ = jp.linear_fused_clipped_sum(x, g, lambda sq: jnp.minimum(1.0, C / jnp.sqrt(sq)),
+                                         scratch_dtype=jnp.bfloat16, block_p=16, block_d=16)
+    # within the float32 rounding the noise allows for (a sum of 960 equal squares: ~3e-6 here), not 3e-3
+    assert float(np.linalg.norm(np.asarray(out, np.float64))) <= C * SENSITIVITY_FACTOR
 
 
 def test_zero_scale_examples_contribute_exact_zeros():

@@ -64,8 +64,10 @@ DEFAULT_CHUNK_SIZE = 8
 def _tiles_kernel(x_ref, g_ref, tile_ref, partial_ref, *, bt, bp, bd):
     # x_ref (T, P), g_ref (T, D) of one example; tile_ref (bp, bd) of the scratch; partial_ref scalar.
     acc_PD = _common.example_grad_tile(x_ref, g_ref, bt, bp, bd)
-    tile_ref[...] = acc_PD.astype(tile_ref.dtype)
-    partial_ref[...] = jnp.sum(acc_PD * acc_PD)
+    tile = acc_PD.astype(tile_ref.dtype)
+    tile_ref[...] = tile
+    kept = tile.astype(jnp.float32)  # the norm of what the sum will read (a bf16 scratch rounds the tile)
+    partial_ref[...] = jnp.sum(kept * kept)
 
 
 def _scaled_tile_sum_kernel(tiles_ref, c_ref, acc_ref, out_ref):
@@ -202,7 +204,10 @@ def single_pass_sums(factored, single, sq_by_group, bound_by_group, roots_by_gro
               two-pass kernel with the final factors, under `lax.cond`: never
               in practice, exact always.
     Returns ({group: (P, D) float32 sum}, sq_by_group and bound_by_group with the kernels' norms and
-    their bounds added, keep_pre_B).
+    their bounds added, keep_pre_B, {group: the clip factors (B,) the kernel applied}). The group's
+    other parameters must be clipped with these very factors, not with factors recomputed from the
+    same norms in another fusion: where the kernel's term and another term of the group cancel (the
+    tied embedding), one ulp of difference between the two is multiplied by the size of the parts.
     """
     finite = {g: jnp.isfinite(sq) for g, sq in sq_by_group.items()}
     for g, (i, j) in single.items():
@@ -211,21 +216,25 @@ def single_pass_sums(factored, single, sq_by_group, bound_by_group, roots_by_gro
                       & jnp.all(jnp.isfinite(term.g_BTD), axis=(1, 2)))
     keep_pre_B = jnp.all(jnp.stack(list(finite.values())), axis=0)
     linear_sums, sq_by_group, bound_by_group = {}, dict(sq_by_group), dict(bound_by_group)
+    applied = {}
     for g, (i, j) in single.items():
-        term = factored[i].terms[j]
+        term, chunks = factored[i].terms[j], []
 
-        def clip_factors_fn(layer_sq_E, other_sq_E, bound_E, keep_E, roots_E, g=g):
+        def clip_factors_fn(layer_sq_E, other_sq_E, bound_E, keep_E, roots_E, g=g, term=term, chunks=chunks):
             norms_E = clipping_lib.guarded_norms(layer_sq_E + other_sq_E,
                                                  bound_E + _own_bound(layer_sq_E, roots_E, term))
             # keep_E False: dropped before the pass, the example contributes exact zeros.
-            return factors_of(norms_E, g, keep_E & jnp.isfinite(norms_E))
+            c_E = factors_of(norms_E, g, keep_E & jnp.isfinite(norms_E))
+            chunks.append(c_E)  # called once per chunk, in this trace, between the kernel's two launches
+            return c_E
 
         linear_sums[g], sq_B = linear_fused_clipped_sum(
             term.x_BTP, term.g_BTD, clip_factors_fn,
             factor_args_B=(sq_by_group[g], bound_by_group[g], keep_pre_B, roots_by_group[g]), chunk_size=chunk_size)
+        applied[g] = jnp.concatenate(chunks).astype(jnp.float32)
         sq_by_group[g] = sq_by_group[g] + sq_B
         bound_by_group[g] = bound_by_group[g] + _own_bound(sq_B, roots_by_group[g], term)
-    return linear_sums, sq_by_group, bound_by_group, keep_pre_B
+    return linear_sums, sq_by_group, bound_by_group, keep_pre_B, applied
 
 
 def _own_bound(layer_sq, roots, term):

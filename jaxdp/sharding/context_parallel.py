@@ -79,12 +79,14 @@ def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
     # A_b (the rounding bound's magnitude) is a sum over tokens: the partial terms' shares add over
     # the shards, in the same psum as the squared-norm parts.
     magnitude = sum(norms_lib.term_magnitude(t) for t in lookups)
+    underflow_scale = sum(norms_lib.term_underflow_scale(t) for t in lookups)
     total = 0.0
     if partials:
         local = jnp.stack([_partial_sq_norms(partials, axis, chunk_size),
-                           sum(norms_lib.term_magnitude(t) for t in partials)])
-        total, partial_magnitude = jax.lax.psum(local, axis)
-        magnitude = magnitude + partial_magnitude
+                           sum(norms_lib.term_magnitude(t) for t in partials),
+                           sum(norms_lib.term_underflow_scale(t) for t in partials)])
+        total, partial_magnitude, partial_scale = jax.lax.psum(local, axis)
+        magnitude, underflow_scale = magnitude + partial_magnitude, underflow_scale + partial_scale
     # The final sums err relative to |P| + |E| (`norms.rounding_bound`), not to the total they may cancel to.
     roots = jnp.sqrt(jnp.maximum(total, 0)) if partials else 0.0
     if lookups:
@@ -93,6 +95,7 @@ def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
     cross = [norms_lib.pair_inner(p, e, strategy, **kw) for p in partials for e in lookups]
     if cross:
         total = total + 2 * jax.lax.psum(sum(cross), axis)
-    bound = norms_lib.rounding_bound(grad, roots, magnitude, seq_shards=jax.lax.axis_size(axis))
+    bound = norms_lib.rounding_bound(grad, roots, magnitude, seq_shards=jax.lax.axis_size(axis),
+                                     underflow_scale_B=underflow_scale)
     return total, bound
 
