@@ -84,7 +84,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
         single = single_pass_lib.single_linear_terms(factored, groups)
     dense = {} if squared_norms_fn is not None else _materialized(factored, strategy, chunk_size,
                                                                     memory_budget_bytes, store_budget_bytes)
-    sq_by_group, bound_by_group = _materialized_sq_norms(dense, groups)
+    sq_by_group, bound_by_group = _materialized_sq_norms(dense, groups, thresholds)
     factored = [grad if i in dense else pinned(grad) for i, grad in enumerate(factored)]
     for i, (grad, group) in enumerate(zip(factored, groups)):
         if i in dense:
@@ -187,30 +187,56 @@ def _block(dense: dict, small: dict) -> _SmallBlock:
     return _SmallBlock(list(small), layout, jnp.stack(rows, axis=1))
 
 
-def _materialized_sq_norms(dense: dict, groups) -> tuple[dict, dict]:
-    """({group: squared norms (B,)}, {group: their rounding bounds (B,)}) of the materialised gradients."""
+def _materialized_sq_norms(dense: dict, groups, thresholds: dict) -> tuple[dict, dict]:
+    """({group: squared norms (B,)}, {group: their rounding bounds (B,)}) of the materialised gradients.
+
+    Underflow (squares below the smallest normal mu, flushed) can take at most N mu from a sum of N
+    squares, which only matters for norms under ~sqrt(N mu) (5e-16 for GPT-2's tied head in float32).
+    For a clip norm known at trace time, `_check_clip_above_underflow` refuses one small enough for that
+    to reach the sensitivity, rather than every step reading each kept G_b a second time to tell zero
+    from underflow; for a traced one, N mu joins the bound (an all-zero example's norm is then ~sqrt(N
+    mu), not 0: harmless)."""
     blocks, large = _small_blocks(dense, groups)
+    traced = _check_clip_above_underflow(dense, groups, thresholds)
     sq, bound = {}, {}
 
-    def add(group, part_B, live_B, K):  # live_B: a non-zero entry (squares below mu may sum to 0)
-        underflow = jnp.where(live_B, norms_lib.squares_underflow(K, part_B.dtype), 0)
-        part_bound = norms_lib.final_sums_bound(jnp.sqrt(part_B), K) + underflow
+    def add(group, part_B, K):
+        part_bound = norms_lib.final_sums_bound(jnp.sqrt(part_B), K)
+        if group in traced:
+            part_bound = part_bound + norms_lib.squares_underflow(K, part_B.dtype)
         sq[group] = part_B if group not in sq else sq[group] + part_B
         bound[group] = part_bound if group not in bound else bound[group] + part_bound
 
     for block in blocks:
-        sq_BG, live_BG = _sum_of_squares(block.block_BGW), jnp.any(block.block_BGW != 0, axis=2)
+        sq_BG = _sum_of_squares(block.block_BGW)
         for row, g in enumerate(block.keys):
-            add(g, sq_BG[:, row], live_BG[:, row], block.block_BGW.shape[2])
+            add(g, sq_BG[:, row], block.block_BGW.shape[2])
     for i in large:
-        flat = _flat_f32(dense[i])
-        add(groups[i], _sum_of_squares(flat), jnp.any(flat != 0, axis=1), math.prod(dense[i].shape[1:]))
+        add(groups[i], _sum_of_squares(_flat_f32(dense[i])), math.prod(dense[i].shape[1:]))
     return sq, bound
 
 
 def _sum_of_squares(v):
     """Sums of squares over the last axis (the one reduction every materialised norm takes)."""
     return jnp.sum(jnp.square(v), axis=-1)
+
+
+def _check_clip_above_underflow(dense: dict, groups, thresholds: dict) -> set:
+    """ValueError unless each group's threshold C_g is large enough that the squares underflow can take
+    from its materialised gradients (at most N mu in all) add under 1e-6 to C_g^2 (contribution <=
+    C_g sqrt(1 + 2**-12 + N mu / C_g^2)): C_g >= sqrt(1e6 N mu), 3e-11 for all of GPT-2 small.
+    Returns the groups whose threshold is traced (not checkable here)."""
+    entries: dict = {}
+    for i, v in dense.items():
+        mu = float(jnp.finfo(jnp.promote_types(v.dtype, jnp.float32)).tiny)
+        entries[groups[i]] = entries.get(groups[i], 0.0) + mu * math.prod(v.shape[1:])
+    traced = {g for g in entries if isinstance(thresholds[g], jax.core.Tracer)}
+    for g, n_mu in entries.items():
+        if g not in traced and thresholds[g] < math.sqrt(1e6 * n_mu):
+            raise ValueError(f"l2_norm_clip gives clipping group {g!r} the threshold {thresholds[g]:.3g}, below "
+                             f"{math.sqrt(1e6 * n_mu):.3g}: per-example norms that small are lost to floating-point "
+                             "underflow in its per-example gradients; use a larger l2_norm_clip (scale the loss)")
+    return traced
 
 
 def _materialized_sums(dense: dict, groups, factors: dict) -> dict:

@@ -290,39 +290,47 @@ def pair_inner(a: Term, b: Term, strategy: str = "auto", *, chunk_size: int = DE
 ROUNDING_SAFETY = 2.0  # lambda in kappa = lambda u sqrt(K)
 
 
-def term_magnitude(term: Term) -> jax.Array:
-    """A_b (B,): sum_t |x_bt| |g_bt| (linear), sum_t |g_bt| (lookup), |V_b| (dense), in the accumulation dtype.
+def row_stats(a: jax.Array, dt) -> tuple[jax.Array, jax.Array]:
+    """(sum a^2, max |a|) over the last axis, in `dt`, from ONE variadic reduction (one kernel, one
+    read of `a`: the step reads every layer's x and g, and every kept G_b, for these)."""
+    a = a.astype(dt)
+    return jax.lax.reduce((jnp.square(a), jnp.abs(a)), (jnp.zeros((), dt), jnp.zeros((), dt)),
+                          lambda p, q: (p[0] + q[0], jnp.maximum(p[1], q[1])), (a.ndim - 1,))
 
-    Every entry of the term's per-example gradient, and every product of two
-    of them, is bounded through A_b: |G_b|_F <= A_b, |<G_b, G'_b>| <= A_b A'_b.
+
+def term_stats(term: Term) -> tuple[jax.Array, jax.Array]:
+    """(A_b, U_b), each (B,), in the accumulation dtype.
+
+    A_b (the magnitude): sum_t |x_bt| |g_bt| (linear), sum_t |g_bt| (lookup), |V_b| (dense). Every
+    entry of the term's per-example gradient, and every product of two of them, is bounded through A_b:
+    |G_b|_F <= A_b, |<G_b, G'_b>| <= A_b A'_b (`rounding_bound`).
+
+    U_b (the underflow scale): sum over tokens of max_p |x_tp| + max_d |g_td| (lookups: 1 + max_d
+    |g_td|; dense: 1 + max |V_b|) over the tokens whose x_t and g_t are not zero (the others add exact
+    zeros to every rule, so an all-zero example, e.g. a padded one, has U_b = 0 and keeps norm 0). No
+    square is taken, so it neither underflows nor overflows where a norm would (`underflow_bound`).
     """
     dt = _acc(*_arrays(term))
+    live = lambda peak, u: jnp.where(peak > 0, u, 0)
     if isinstance(term, LinearTerm):
-        x_BT = jnp.sqrt(jnp.sum(jnp.square(term.x_BTP.astype(dt)), axis=-1))
-        g_BT = jnp.sqrt(jnp.sum(jnp.square(term.g_BTD.astype(dt)), axis=-1))
-        return jnp.sum(x_BT * g_BT, axis=1)
+        (x_sq, x_peak), (g_sq, g_peak) = row_stats(term.x_BTP, dt), row_stats(term.g_BTD, dt)
+        return (jnp.sum(jnp.sqrt(x_sq) * jnp.sqrt(g_sq), axis=1),
+                jnp.sum(live(jnp.minimum(x_peak, g_peak), x_peak + g_peak), axis=1))
     if isinstance(term, EmbedTerm):
-        return jnp.sum(jnp.sqrt(jnp.sum(jnp.square(term.g_BTD.astype(dt)), axis=-1)), axis=1)
-    v = term.value_B.astype(dt)
-    return jnp.sqrt(jnp.sum(jnp.square(v.reshape(v.shape[0], -1)), axis=1))
+        g_sq, g_peak = row_stats(term.g_BTD, dt)
+        return jnp.sum(jnp.sqrt(g_sq), axis=1), jnp.sum(live(g_peak, 1 + g_peak), axis=1)
+    v_sq, v_peak = row_stats(term.value_B.reshape(term.value_B.shape[0], -1), dt)
+    return jnp.sqrt(v_sq), live(v_peak, 1 + v_peak)
+
+
+def term_magnitude(term: Term) -> jax.Array:
+    """A_b of `term_stats`."""
+    return term_stats(term)[0]
 
 
 def term_underflow_scale(term: Term) -> jax.Array:
-    """U_b (B,): sum over tokens of max_p |x_tp| + max_d |g_td| (lookups: 1 + max_d |g_td|; dense: 1 +
-    max |V_b|), in the accumulation dtype, over the tokens whose x_t and g_t are not zero (the others add
-    exact zeros to every rule, so an all-zero example, e.g. a padded one, has U_b = 0 and keeps norm 0).
-    No square is taken, so it neither underflows nor overflows where a norm would (`underflow_bound`)."""
-    dt = _acc(*_arrays(term))
-    peak = lambda a: jnp.max(jnp.abs(a.astype(dt)), axis=-1)
-    live = lambda g, u: jnp.where(g > 0, u, 0)
-    if isinstance(term, LinearTerm):
-        x, g = peak(term.x_BTP), peak(term.g_BTD)
-        return jnp.sum(live(jnp.minimum(x, g), x + g), axis=1)
-    if isinstance(term, EmbedTerm):
-        g = peak(term.g_BTD)
-        return jnp.sum(live(g, 1 + g), axis=1)
-    v = peak(term.value_B.reshape(term.value_B.shape[0], -1))
-    return live(v, 1 + v)
+    """U_b of `term_stats`."""
+    return term_stats(term)[1]
 
 
 def squares_underflow(N: int, dtype) -> float:

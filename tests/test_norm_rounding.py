@@ -257,15 +257,22 @@ def test_underflow_cannot_zero_a_norm(strategy):
     """Inputs whose products underflow: x ~ 1e-20, g ~ 1e18 (|G| ~ 1.5: every Gram entry of x and every
     |x_t|^2 below float32's smallest normal) and tiny clip norms (C = 1e-30 with |G| ~ 1e-19). Their
     computed norms came out 0 and the examples went through unclipped (100 C, 2e11 C); each one-example
-    contribution must stay within C' (or be dropped)."""
+    contribution must stay within C' (or be dropped). A materialised gradient (a bias) beside them is
+    clipped within C' at C ~ 1e-2; at C = 1e-30 the clip norm is refused, naming l2_norm_clip."""
     rng = np.random.default_rng(21)
     for x_scale, g_scale, c_rel in UNDERFLOW_CASES:
         x = jnp.asarray(x_scale * rng.standard_normal((1, 4, 64)), jnp.float32)
         g = jnp.asarray(g_scale * rng.standard_normal((1, 4, 96)), jnp.float32)
         true = np.linalg.norm(np.einsum("tp,td->pd", np.asarray(x[0], np.float64), np.asarray(g[0], np.float64)))
         clip = float(true * c_rel) if c_rel > 1e-20 else c_rel
-        bias = jnp.asarray(1e-20 * rng.standard_normal((1, 96)), jnp.float32)  # squares underflow: |b| ~ 1e-19
-        grads = {"w": FactoredGrad((LinearTerm(x, g),)), "b": FactoredGrad((jaxdp.terms.DenseTerm(bias),))}
+        bias = jnp.asarray(1e-3 * clip * rng.standard_normal((1, 96)), jnp.float32)
+        grads = {"w": FactoredGrad((LinearTerm(x, g),))}
+        if clip > 1e-20:
+            grads["b"] = FactoredGrad((jaxdp.terms.DenseTerm(bias),))
+        elif strategy == "store":
+            with pytest.raises(ValueError, match="l2_norm_clip gives clipping group 'all' the threshold"):
+                jaxdp.clipped_aggregate(grads, clip, strategy=strategy)
+            continue
         sums, _ = jaxdp.clipped_aggregate(grads, clip, strategy=strategy)
         out = np.sqrt(sum(np.sum(np.square(np.asarray(v, np.float64))) for v in sums.values()))
         assert out <= clip * clipping_lib.SENSITIVITY_FACTOR * (1 + 1e-6), (x_scale, g_scale, out / clip)
