@@ -38,7 +38,7 @@ with tokens x_2 = x_1 and g_2 = -g_1 + small has a tiny true norm, and its
 ghost norm (a sum of Gram products of size |x|^2 |g|^2) can come out 0 or
 negative. The error of every rule here is at most a multiple of the
 example's magnitude A_b^2, A_b = sum over terms of sum_t |x_bt| |g_bt|
-(`term_magnitude`): `rounding_bound` returns kappa A_b^2 with
+(`term_stats`): `rounding_bound` returns kappa A_b^2 with
 kappa = 2 u sqrt(K), u the unit roundoff of the accumulation dtype and K the
 longest reduction over tokens, inputs or outputs (T + P + D for a linear
 term), plus kappa(N) (sum_i |T_i|)^2 for the final sums over the N
@@ -52,8 +52,11 @@ sqrt(T + P + D) A^2 > 100 u A^2).
 The sqrt(K) growth is the probabilistic rounding-error model of Higham & Mary
 (2019, SIAM J. Sci. Comput. 41(5)); measured errors of the cancelling
 construction were at most 0.52 u sqrt(K) A^2 (ghost, bfloat16 inputs, P = 768,
-D = 3072) and far less for instantiate. `jaxdp.clipping.guarded_norms` turns
-(squared norm, bound) into the norm the clip factor uses.
+D = 3072) and far less for instantiate. The model assumes no underflow:
+`underflow_bound` (also in `rounding_bound`) covers products and sums that
+fall below the smallest normal number (x ~ 1e-20 with g ~ 1e18 gave a ghost
+norm of 0). `jaxdp.clipping.guarded_norms` turns (squared norm, bound) into
+the norm the clip factor uses.
 """
 
 from __future__ import annotations
@@ -323,16 +326,6 @@ def term_stats(term: Term) -> tuple[jax.Array, jax.Array]:
     return jnp.sqrt(v_sq), live(v_peak, 1 + v_peak)
 
 
-def term_magnitude(term: Term) -> jax.Array:
-    """A_b of `term_stats`."""
-    return term_stats(term)[0]
-
-
-def term_underflow_scale(term: Term) -> jax.Array:
-    """U_b of `term_stats`."""
-    return term_stats(term)[1]
-
-
 def squares_underflow(N: int, dtype) -> float:
     """4 mu N: what underflow can take from a sum of N squares (each square or partial sum below the
     smallest normal number mu is flushed to zero or kept subnormal, an absolute error below mu)."""
@@ -341,7 +334,7 @@ def squares_underflow(N: int, dtype) -> float:
 
 def underflow_bound(grad: FactoredGrad, scale_B: jax.Array | None = None, *, seq_shards: int = 1) -> jax.Array:
     """A bound (B,) on what underflow can change in the squared norms of `grad` under any strategy:
-    4 mu N (T + 1) U_b^2 + squares_underflow((T^2 + N) n^2), U_b the terms' `term_underflow_scale`s
+    4 mu N (T + 1) U_b^2 + squares_underflow((T^2 + N) n^2), U_b the terms' `term_stats` scales
     summed, N the parameter's entries, T the tokens, n the terms, mu the accumulation dtype's smallest
     normal number.
 
@@ -355,7 +348,7 @@ def underflow_bound(grad: FactoredGrad, scale_B: jax.Array | None = None, *, seq
     scales summed (the context-parallel step passes the sum over sequence shards).
     """
     if scale_B is None:
-        scale_B = sum(term_underflow_scale(t) for t in grad.terms)
+        scale_B = sum(term_stats(t)[1] for t in grad.terms)
     dtype = _acc(*[a for t in grad.terms for a in _arrays(t)])
     N = math.prod(grad.shape)
     T = max((t.g_BTD.shape[1] if not isinstance(t, DenseTerm) else 1) for t in grad.terms) * seq_shards
@@ -405,11 +398,13 @@ def rounding_bound(grad: FactoredGrad, roots_B: jax.Array, magnitude_B: jax.Arra
 
     `roots_B`: the sum over terms of |T_i| as computed (`squared_norms_and_roots`), or sqrt(s) where
     the squared norm s is one sum of squares of the combined gradient. `magnitude_B` defaults to the
-    sum of the terms' `term_magnitude`s (the context-parallel step passes the sum over sequence shards,
-    and so `underflow_scale_B`).
+    sum of the terms' `term_stats` magnitudes (the context-parallel step passes the sum over sequence
+    shards, and so `underflow_scale_B`).
     """
-    if magnitude_B is None:
-        magnitude_B = sum(term_magnitude(t) for t in grad.terms)
+    if magnitude_B is None or underflow_scale_B is None:
+        stats = [term_stats(t) for t in grad.terms]  # one reduction of each x and g for both
+        magnitude_B = sum(a for a, _ in stats) if magnitude_B is None else magnitude_B
+        underflow_scale_B = sum(u for _, u in stats) if underflow_scale_B is None else underflow_scale_B
     scaled = math.sqrt(rounding_coefficient(grad, seq_shards=seq_shards)) * magnitude_B  # no overflow of A^2
     return (scaled * scaled + final_sums_bound(roots_B.astype(scaled.dtype), math.prod(grad.shape))
             + underflow_bound(grad, underflow_scale_B, seq_shards=seq_shards))

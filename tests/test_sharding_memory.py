@@ -227,8 +227,8 @@ def test_dp_adds_under_context_parallelism_exactly_its_norm_traffic():
 
       reduce-scatter  (S-1)/S x 4 B_loc x sum_l P_l   the per-example partials of every non-embedding
                                                       leaf l (P_l entries, padded to a multiple of S)
-      all-reduce      2 (S-1)/S x 4 B_loc x 2 n_l     one psum of B_loc squared norms and B_loc magnitudes
-                                                      (the rounding bound's sum_t |x_t| |g_t|) per such leaf
+      all-reduce      2 (S-1)/S x 4 B_loc x 3 n_l     one psum of B_loc squared norms, magnitudes (the rounding
+                                                      bound's sum_t |x_t| |g_t|) and underflow scales per leaf
       all-gather      (S-1)/S x 4 B_loc x T (D + 1)   the embedding's ids and output gradients
       others          0
 
@@ -242,7 +242,7 @@ def test_dp_adds_under_context_parallelism_exactly_its_norm_traffic():
     padded = sum(-(-params[p].size // S) * S for p in linear)
     expected = dict.fromkeys(collectives.KINDS, 0.0)
     expected["reduce-scatter"] = (S - 1) / S * 4 * b_loc * padded
-    expected["all-reduce"] = 2 * (S - 1) / S * 4 * b_loc * 2 * len(linear)
+    expected["all-reduce"] = 2 * (S - 1) / S * 4 * b_loc * 3 * len(linear)
     expected["all-gather"] = (S - 1) / S * 4 * b_loc * T * (model.config.d_model + 1)
     diff = dp_minus_non_private("llama", (data, S), 3)
     for kind in collectives.KINDS:

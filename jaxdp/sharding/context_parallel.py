@@ -78,13 +78,13 @@ def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
     kw = dict(chunk_size=chunk_size)
     # A_b (the rounding bound's magnitude) is a sum over tokens: the partial terms' shares add over
     # the shards, in the same psum as the squared-norm parts.
-    magnitude = sum(norms_lib.term_magnitude(t) for t in lookups)
-    underflow_scale = sum(norms_lib.term_underflow_scale(t) for t in lookups)
+    lookup_stats = [norms_lib.term_stats(t) for t in lookups]
+    magnitude, underflow_scale = sum(a for a, _ in lookup_stats), sum(u for _, u in lookup_stats)
     total = 0.0
     if partials:
+        partial_stats = [norms_lib.term_stats(t) for t in partials]
         local = jnp.stack([_partial_sq_norms(partials, axis, chunk_size),
-                           sum(norms_lib.term_magnitude(t) for t in partials),
-                           sum(norms_lib.term_underflow_scale(t) for t in partials)])
+                           sum(a for a, _ in partial_stats), sum(u for _, u in partial_stats)])
         total, partial_magnitude, partial_scale = jax.lax.psum(local, axis)
         magnitude, underflow_scale = magnitude + partial_magnitude, underflow_scale + partial_scale
     # The final sums err relative to |P| + |E| (`norms.rounding_bound`), not to the total they may cancel to.
