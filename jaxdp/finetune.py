@@ -37,7 +37,7 @@ enter the backward under `stop_gradient`: no weight-gradient GEMM is formed
 for them. The clipping groups are the trainable parameters' (per-layer: one
 per LoRA factor, adapter projection, bias-owning layer).
 
-    model = jaxdp.load_hf_gpt2("gpt2/")
+    model = jaxdp.load_hf_gpt2("gpt2/")        # or jaxdp.load_hf_llama("llama-3.2-1b/"): every method but GPT2_METHODS
     jaxdp.finetune.prepare(model, "lora", rank=8, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.chain(jaxdp.fused_clip(...), optax.adamw(1e-3)), wrt=nnx.Param)
 
@@ -53,12 +53,17 @@ import jax
 from flax import nnx
 
 from jaxdp import nn
+from jaxdp.models.gpt2 import GPT2
 from jaxdp.models.ladder_side import LadderSideGPT2
+from jaxdp.models.llama import Llama
 from jaxdp.models.reversible import ReversibleGPT2
 
 METHODS = ("full", "lora", "adapter", "bitfit", "prompt", "side", "reversible")
-DEFAULT_LORA_TARGETS = ("attn/c_attn",)                 # LoRA's choice for GPT-2 (W_q, W_v inside c_attn)
-DEFAULT_ADAPTER_TARGETS = ("attn/c_proj", "mlp/c_proj")  # Houlsby: after attention and after the MLP
+GPT2_METHODS = ("prompt", "side", "reversible")  # built on GPT-2's modules (soft-prompt slot, blocks, wte)
+# Per model family: LoRA's choice (W_q and W_v; inside GPT-2's fused c_attn) and Houlsby's (after
+# attention and after the MLP). `prepare`'s targets default to the model's row.
+DEFAULT_LORA_TARGETS = {GPT2: ("attn/c_attn",), Llama: ("attn/q_proj", "attn/v_proj")}
+DEFAULT_ADAPTER_TARGETS = {GPT2: ("attn/c_proj", "mlp/c_proj"), Llama: ("attn/o_proj", "mlp/down_proj")}
 Path = tuple
 Trainable = Callable[[Path, nnx.Module], bool]
 
@@ -165,26 +170,37 @@ def _matching_linears(model: nnx.Module, targets, argument: str) -> list[tuple[P
     return found
 
 
-def add_lora(model: nnx.Module, *, rank: int, alpha: float | None = None,
-             targets=DEFAULT_LORA_TARGETS, rngs: nnx.Rngs) -> nnx.Module:
-    """Wraps every `jaxdp.nn.Linear` whose path ends with one of `targets` in a `LoRALinear`, in place.
+def default_targets(defaults: dict, model: nnx.Module, argument: str) -> tuple[str, ...]:
+    """The row of `DEFAULT_LORA_TARGETS` / `DEFAULT_ADAPTER_TARGETS` for `model`'s family."""
+    for cls, targets in defaults.items():
+        if isinstance(model, cls):
+            return targets
+    raise ValueError(f"{argument} has no default for a {type(model).__name__}: name the projections (path suffixes "
+                     "like 'attn/q_proj')")
 
-    `alpha` defaults to `rank` (scale 1). Freezes nothing (see `prepare`).
+
+def add_lora(model: nnx.Module, *, rank: int, alpha: float | None = None,
+             targets=None, rngs: nnx.Rngs) -> nnx.Module:
+    """Wraps every `jaxdp.nn.Linear` whose path ends with one of `targets` (default: the model family's
+    `DEFAULT_LORA_TARGETS`) in a `LoRALinear`, in place. `alpha` defaults to `rank` (scale 1). Freezes
+    nothing (see `prepare`).
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
     alpha = float(rank if alpha is None else alpha)
+    targets = default_targets(DEFAULT_LORA_TARGETS, model, "targets") if targets is None else targets
     nodes = _nodes(model)
     for path, linear in _matching_linears(model, targets, "targets"):
         _set(nodes[path[:-1]], path[-1], LoRALinear(linear, rank=rank, alpha=alpha, rngs=rngs))
     return model
 
 
-def add_adapters(model: nnx.Module, *, bottleneck: int, targets=DEFAULT_ADAPTER_TARGETS,
-                 rngs: nnx.Rngs) -> nnx.Module:
-    """Puts a Houlsby `Adapter` after every `jaxdp.nn.Linear` whose path ends with one of `targets`, in place."""
+def add_adapters(model: nnx.Module, *, bottleneck: int, targets=None, rngs: nnx.Rngs) -> nnx.Module:
+    """Puts a Houlsby `Adapter` after every `jaxdp.nn.Linear` whose path ends with one of `targets`
+    (default: the model family's `DEFAULT_ADAPTER_TARGETS`), in place."""
     if not isinstance(bottleneck, int) or bottleneck < 1:
         raise ValueError(f"bottleneck must be an integer >= 1, got {bottleneck!r}")
+    targets = default_targets(DEFAULT_ADAPTER_TARGETS, model, "targets") if targets is None else targets
     nodes = _nodes(model)
     for path, linear in _matching_linears(model, targets, "targets"):
         adapter = Adapter(linear.out_features, bottleneck, dtype=linear.dtype, rngs=rngs)
@@ -238,13 +254,17 @@ def trainable_filter(method: str, *, train_layer_norms: bool = True) -> Trainabl
     return lambda path, owner: isinstance(owner, nn.SoftPrompt)
 
 
-def check_method(method: str) -> None:
+def check_method(method: str, family: str = "gpt2") -> None:
+    """ValueError unless `method` is one of `METHODS` and applies to a model of `family` ("gpt2", "llama")."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method in GPT2_METHODS and family != "gpt2":
+        raise ValueError(f"method {method!r} is built on GPT-2's modules; a {family} model takes one of "
+                         f"{tuple(m for m in METHODS if m not in GPT2_METHODS)}")
 
 
 def prepare(model: nnx.Module, method: str, *, rngs: nnx.Rngs, rank: int = 8, alpha: float | None = None,
-            lora_targets=DEFAULT_LORA_TARGETS, bottleneck: int = 64, adapter_targets=DEFAULT_ADAPTER_TARGETS,
+            lora_targets=None, bottleneck: int = 64, adapter_targets=None,
             train_layer_norms: bool = True, prompt_length: int = 20, side_reduction: int = 8,
             rev_alpha: float = 0.1, rev_beta: float = 0.1, rev_keep_streams_every: int | None = None) -> nnx.Module:
     """Adds `method`'s modules to `model` and freezes all but its trainable parameters, in place.
@@ -253,13 +273,13 @@ def prepare(model: nnx.Module, method: str, *, rngs: nnx.Rngs, rank: int = 8, al
     and wraps it in a `ReversibleGPT2`, and returns that: use the returned model.
 
     Args:
-      model: a model built from `jaxdp.nn` layers ("prompt": a GPT-2).
+      model: a model built from `jaxdp.nn` layers (a GPT-2 for `GPT2_METHODS`).
       method: one of `METHODS`: "full" | "lora" | "adapter" | "bitfit" | "prompt" | "side" | "reversible".
       rngs: initialises the new parameters.
       rank, alpha, lora_targets: LoRA's rank r, scale alpha / r (default alpha = r)
-        and the projections it wraps (path suffixes).
+        and the projections it wraps (path suffixes; None: the family's `DEFAULT_LORA_TARGETS`).
       bottleneck, adapter_targets, train_layer_norms: the adapters' width, the
-        projections they follow, and whether layer norms train with them.
+        projections they follow (None: `DEFAULT_ADAPTER_TARGETS`), and whether layer norms train with them.
       prompt_length: the soft prompt's number of embeddings.
       side_reduction: the side network's width is d_model / side_reduction.
       rev_alpha, rev_beta: "reversible"'s stream scales (MEFT's 0.1, 0.1); its LoRA
@@ -271,7 +291,7 @@ def prepare(model: nnx.Module, method: str, *, rngs: nnx.Rngs, rank: int = 8, al
       `model` (for "side" and "reversible", the network holding it as `backbone`), whose
       `nnx.Param`s are exactly the method's trainable parameters.
     """
-    check_method(method)
+    check_method(method, "gpt2" if isinstance(model, GPT2) else type(model).__name__)
     if method == "lora":
         add_lora(model, rank=rank, alpha=alpha, targets=lora_targets, rngs=rngs)
     elif method == "adapter":

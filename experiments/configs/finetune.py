@@ -1,4 +1,4 @@
-"""DP fine-tuning of pretrained GPT-2 weights: `python -m experiments.finetune --config.finetune.init=<dir>`.
+"""DP fine-tuning of pretrained GPT-2 or Llama weights: `python -m experiments.finetune --config.finetune.init=<dir>`.
 
 `default.py` (every training field: steps, batch, dp, privacy, ...) plus a
 `finetune` section. The model shape and the tokenizer come from
@@ -26,20 +26,24 @@ def get_config() -> config_dict.ConfigDict:
         c.model = config_dict.ConfigDict()
         c.model.family = "init"              # taken from finetune.init (leave it)
         c.data.path = "data/rotten_tomatoes.jsonl"  # python -m experiments.rotten_tomatoes writes it
-        c.data.tokenizer = "init"            # the init weights' tokenizer: the run's tokenizer/, or "gpt2" (leave it)
+        c.data.tokenizer = "init"            # the init weights' tokenizer: the run's tokenizer/, "gpt2", or the
+                                             # HF Llama directory's tokenizer.json (leave it)
         c.data.validation_fraction = 0.1     # snippets held out (val loss and accuracy), split by a hash of the text
         c.privacy.unit = "document"          # one snippet (with its label) is one unit
         c.sample.num = 0                     # samples.txt: continuations of public prompts (0: none)
 
         c.finetune = config_dict.ConfigDict()
-        c.finetune.init = config_dict.placeholder(str)  # REQUIRED: a pretrain_gpt2 run directory, or a local
-                                             # HF GPT-2 checkpoint directory (config.json + model.safetensors)
+        c.finetune.init = config_dict.placeholder(str)  # REQUIRED: a pretrain_gpt2 run directory, or a local HF
+                                             # GPT-2 / Llama checkpoint directory (config.json + model.safetensors;
+                                             # Llama also tokenizer.json). prompt, side, reversible: GPT-2 only
         c.finetune.method = "lora"           # full | lora | adapter | bitfit | prompt | side | reversible
         c.finetune.rank = 8                  # LoRA rank r (lora, reversible)
         c.finetune.alpha = config_dict.placeholder(float)  # LoRA scale alpha / r; None: alpha = r
-        c.finetune.lora_targets = ("attn/c_attn",)  # projections LoRA wraps (path suffixes)
+        c.finetune.lora_targets = config_dict.placeholder(tuple)  # projections LoRA wraps (path suffixes);
+                                             # None: GPT-2 ('attn/c_attn',), Llama ('attn/q_proj', 'attn/v_proj')
         c.finetune.bottleneck = 64           # adapter width (adapter; reversible's G)
-        c.finetune.adapter_targets = ("attn/c_proj", "mlp/c_proj")  # projections adapters follow
+        c.finetune.adapter_targets = config_dict.placeholder(tuple)  # projections adapters follow; None:
+                                             # GPT-2 ('attn/c_proj', 'mlp/c_proj'), Llama ('attn/o_proj', 'mlp/down_proj')
         c.finetune.train_layer_norms = True  # adapter: layer norms train too
         c.finetune.prompt_length = 20        # prompt: soft-prompt embeddings
         c.finetune.side_reduction = 8        # side: side-network width = d_model / side_reduction
