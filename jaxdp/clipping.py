@@ -40,7 +40,7 @@ from typing import Callable, Hashable, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxdp.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm
+from jaxdp.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm, lookup
 
 CLIPPINGS = ("flat", "per_layer")
 ROUNDING_DELTA = 2.0**-12
@@ -154,9 +154,10 @@ def clipped_sum(grad: FactoredGrad, c_B: jax.Array, *, pallas: bool = False) -> 
             # 10 bits, and a cancelling example's sum would then exceed its clipped norm).
             part = jnp.einsum("btp,btd->pd", x.astype(dt), g, precision=jax.lax.Precision.HIGHEST)
         elif isinstance(term, EmbedTerm):
-            dt = jnp.promote_types(term.g_BTD.dtype, c_B.dtype)
-            g = jnp.where(live, term.g_BTD.astype(dt) * c_B[:, None, None].astype(dt), 0)
-            part = jnp.zeros(term.shape, dt).at[term.ids_BT.reshape(-1)].add(g.reshape(-1, g.shape[-1]))
+            ids, g = lookup(term)
+            dt = jnp.promote_types(g.dtype, c_B.dtype)
+            g = jnp.where(live, g.astype(dt) * c_B[:, None, None].astype(dt), 0)
+            part = jnp.zeros(term.shape, dt).at[ids.reshape(-1)].add(g.reshape(-1, g.shape[-1]))
         elif isinstance(term, DenseTerm):
             part = materialized_clipped_sum(term.value_B, c_B)
         else:

@@ -69,7 +69,7 @@ import jax.numpy as jnp
 
 from jaxdp import device_rates
 from jaxdp.norm_costs import DEFAULT_CHUNK_SIZE, DEFAULT_MEMORY_BUDGET_BYTES, choose_method
-from jaxdp.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm, Term
+from jaxdp.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm, Term, lookup
 
 STRATEGIES = ("ghost", "instantiate", "store", "auto", "pallas")
 # A parameter's per-example squared norms (B,) and a bound on their rounding error (B,), from its
@@ -227,7 +227,7 @@ def per_example_gradients(grad: FactoredGrad) -> jax.Array:
     total = instantiated(linear).astype(jnp.result_type(linear.x_BTP, linear.g_BTD))
     for term in grad.terms:
         if isinstance(term, EmbedTerm):
-            total = jax.vmap(_add_lookups)(total, term.ids_BT, term.g_BTD)
+            total = jax.vmap(_add_lookups)(total, *lookup(term))
     return total
 
 
@@ -269,7 +269,7 @@ def pair_inner(a: Term, b: Term, strategy: str = "auto", *, chunk_size: int = DE
             return _per_example(lambda v, x, g: _dense_with(v, (x, g), "linear"),
                                 (a.value_B, b.x_BTP, b.g_BTD), chunk_size)
         return _per_example(lambda v, i, g: _dense_with(v, (i, g), "embed"),
-                            (a.value_B, b.ids_BT, b.g_BTD), chunk_size)
+                            (a.value_B, *lookup(b)), chunk_size)
     if isinstance(a, EmbedTerm) and isinstance(b, LinearTerm):
         a, b = b, a
     if isinstance(a, LinearTerm) and isinstance(b, LinearTerm):
@@ -281,11 +281,11 @@ def pair_inner(a: Term, b: Term, strategy: str = "auto", *, chunk_size: int = DE
     if isinstance(a, EmbedTerm) and isinstance(b, EmbedTerm):
         method = _method(strategy, "embed", a, b, chunk_size, memory_budget_bytes)
         if a is b and method == "instantiate":
-            return _per_example(_embed_instantiate, (a.ids_BT, a.g_BTD), chunk_size)
-        return _per_example(_embed_ghost, (a.ids_BT, a.g_BTD, b.ids_BT, b.g_BTD), chunk_size)
+            return _per_example(_embed_instantiate, lookup(a), chunk_size)
+        return _per_example(_embed_ghost, (*lookup(a), *lookup(b)), chunk_size)
     method = _method(strategy, "linear_embed", a, b, chunk_size, memory_budget_bytes)
     fn = _linear_embed_ghost if method == "ghost" else _linear_embed_instantiate
-    return _per_example(fn, (a.x_BTP, a.g_BTD, b.ids_BT, b.g_BTD), chunk_size)
+    return _per_example(fn, (a.x_BTP, a.g_BTD, *lookup(b)), chunk_size)
 
 
 # Rounding-error bound.

@@ -56,6 +56,19 @@ class EmbedTerm:
         return self.ids_BT.shape[0]
 
 
+def lookup(term: EmbedTerm) -> tuple[jax.Array, jax.Array]:
+    """(ids, g) of the rows `term` adds to, in the one convention every norm rule and the clipped sum
+    read (so the norm that clips counts exactly the rows the sum adds): an id in [-V, 0) is row id + V,
+    as `jnp.take` wraps it in the forward; a token whose id lies outside [-V, V) adds nothing (its g is
+    zeroed and its id set to 0). Without this, ids -1 and V - 1 (a -1 padding id reaching the table)
+    were two rows to the norm and one to the forward and the sum: 1.41 C got through."""
+    V = term.num_embeddings
+    ids = term.ids_BT.astype(jnp.int32)
+    ids = jnp.where(ids < 0, ids + V, ids)
+    valid = (ids >= 0) & (ids < V)
+    return jnp.where(valid, ids, 0), jnp.where(valid[..., None], term.g_BTD, jnp.zeros((), term.g_BTD.dtype))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseTerm:
@@ -140,7 +153,7 @@ def instantiate(term: Term) -> jax.Array:
     if isinstance(term, EmbedTerm):
         def one(ids_T, g_TD):
             return jnp.zeros(term.shape, g_TD.dtype).at[ids_T].add(g_TD)
-        return jax.vmap(one)(term.ids_BT, term.g_BTD)
+        return jax.vmap(one)(*lookup(term))
     raise TypeError(f"unknown term type {type(term).__name__}")
 
 

@@ -278,6 +278,41 @@ def test_underflow_cannot_zero_a_norm(strategy):
         assert out <= clip * clipping_lib.SENSITIVITY_FACTOR * (1 + 1e-6), (x_scale, g_scale, out / clip)
 
 
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_aliasing_and_out_of_range_ids_are_one_row_to_norm_and_sum(strategy, clipping):
+    """Embedding ids -k and V - k are one row to the forward (`jnp.take` wraps) and to the clipped sum's
+    scatter; ids outside [-V, V) add nothing. The norm rules compared raw ids (attacker's review 7):
+    ids (-1, V - 1) with equal g gave norm 28.3 for a true 40, and 1.41 C went through; an id V on a
+    tied table let instantiate read row V - 1 while the scatter dropped it (200 C). Random g and tied
+    head terms, ids mixing aliases and out-of-range values: the clipped sums equal a float64 reference of
+    the canonical rows, and each example alone stays within C'."""
+    V, D, T, B = 16, 8, 6, 3
+    rng = np.random.default_rng(zlib.crc32(f"{strategy}{clipping}".encode()))
+    ids = np.array([[-1, V - 1, 3, -13, V, 5], [2, 2 - V, -V - 1, V + 3, 0, -V],
+                    [V - 1, -1, -1, 7, 7 - V, 2 * V]], np.int32)
+    g_lookup = rng.standard_normal((B, T, D)) * 10.0
+    g_lookup[0, 1] = g_lookup[0, 0]  # the review's aliasing pair, equal g
+    x_head, g_head = rng.standard_normal((B, 4, V)), rng.standard_normal((B, 4, D))
+    canonical = np.where(ids < 0, ids + V, ids)
+    valid = (canonical >= 0) & (canonical < V)
+    G = np.einsum("btv,btd->bvd", x_head, g_head)
+    for b, t in zip(*np.nonzero(valid)):
+        G[b, canonical[b, t]] += g_lookup[b, t]
+    grads = {"wte": {"embedding": FactoredGrad((LinearTerm(jnp.asarray(x_head, jnp.float32),
+                                                           jnp.asarray(g_head, jnp.float32)),
+                                                EmbedTerm(jnp.asarray(ids), jnp.asarray(g_lookup, jnp.float32), V)))}}
+    sums, _ = jaxdp.clipped_aggregate(grads, C, strategy=strategy, clipping=clipping)
+    norms = np.linalg.norm(G.reshape(B, -1), axis=1)
+    expected = np.einsum("b,bvd->vd", np.minimum(1.0, C / norms), G)
+    np.testing.assert_allclose(np.asarray(sums["wte"]["embedding"], np.float64), expected, rtol=1e-4, atol=1e-5)
+    for b in range(B):
+        one = jax.tree.map(lambda a, b=b: a[b:b + 1], grads)
+        out = np.linalg.norm(np.asarray(jaxdp.clipped_aggregate(one, C, strategy=strategy, clipping=clipping)[0]
+                                        ["wte"]["embedding"], np.float64))
+        assert out <= C * clipping_lib.SENSITIVITY_FACTOR * (1 + 1e-6), (b, out / C)
+
+
 def _bf16_step_contributions(clipping, seeds, T=12, strategy="ghost", adapter=True):
     """One example's released contribution / C through the job's jitted DP step: a one-block bf16 tiny
     GPT-2 (with an adapter after mlp/c_proj, the only trainable part, or every parameter trainable;
