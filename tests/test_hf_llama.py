@@ -1,6 +1,7 @@
 """Hugging Face Llama import / export: logits against a float64 NumPy Llama in HF's layout, round trip, errors."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from flax import nnx
 from test_hf_gpt2 import write_checkpoint
 
 from jaxdp.models.hf_llama import load_hf_llama, save_hf_llama
-from jaxdp.models.safetensors_io import read_safetensors
+from jaxdp.models.safetensors_io import read_safetensors, write_safetensors
 
 N_LAYER, N_HEAD, N_KV, D, D_FF, VOCAB = 2, 4, 2, 32, 48, 61
 HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
@@ -156,6 +157,76 @@ def test_bad_checkpoints_are_named(tmp_path):
             load_hf_llama(path)
     with pytest.raises(ValueError, match=r"config_overrides may only set"):
         load_hf_llama(write_checkpoint(tmp_path / "ok", good, HF_CONFIG), n_layer=1)
+
+
+def _sharded(path, tensors, weight_map, config=HF_CONFIG, files=None):
+    """A sharded checkpoint: `files` {file: tensor names} (default: by weight_map) and the index."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    files = files or {f: [n for n, g in weight_map.items() if g == f] for f in set(weight_map.values())}
+    for file, names in files.items():
+        write_safetensors(os.path.join(path, file), {n: tensors[n] for n in names})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    return str(path)
+
+
+def test_attacker_built_checkpoints_are_refused(tmp_path):
+    """The attacker's review 7: a checkpoint that would load as another model, or read outside its
+    directory, is a ValueError naming the file; transformers 5's rope_parameters layout loads the same
+    model as the old keys."""
+    good = random_hf_tensors(seed=4)
+    names = sorted(good)
+    half = {n: ("a.safetensors" if i % 2 else "b.safetensors") for i, n in enumerate(names)}
+    model = load_hf_llama(_sharded(tmp_path / "sharded", good, half))  # the well-formed sharded one loads
+    assert model.config.rope_theta == 500000.0 and model.config.rope_scaling == 8.0
+    outside = dict(half, **{names[0]: "../victim/secret.safetensors"})
+    with pytest.raises(ValueError, match=r"index.json: weight_map\[.*'../victim/secret.safetensors' is not a file name"):
+        load_hf_llama(_sharded(tmp_path / "outside", good, outside, files={"a.safetensors": names}))
+    moved = {"a.safetensors": [n for n in names if half[n] == "a.safetensors"] + [names[0]],
+             "b.safetensors": [n for n in names if half[n] == "b.safetensors" and n != names[0]]}
+    with pytest.raises(ValueError, match="is not in this file by model.safetensors.index.json"):
+        load_hf_llama(_sharded(tmp_path / "moved", good, half, files=moved))
+    dropped = {f: [n for n in ns if n != names[1]] for f, ns in
+               {"a.safetensors": [n for n in names if half[n] == "a.safetensors"],
+                "b.safetensors": [n for n in names if half[n] == "b.safetensors"]}.items()}
+    with pytest.raises(ValueError, match="are missing from the files it maps them to"):
+        load_hf_llama(_sharded(tmp_path / "dropped", good, half, files=dropped))
+    twice = dict(good, **{"norm.weight": np.zeros_like(good["model.norm.weight"])})  # with and without model.
+    with pytest.raises(ValueError, match="are both 'norm.weight'"):
+        load_hf_llama(write_checkpoint(tmp_path / "twice", twice, HF_CONFIG))
+    ints = dict(good, **{"model.norm.weight": np.ones(D, np.int64)})
+    with pytest.raises(ValueError, match="'norm.weight' is int64, not a float"):
+        load_hf_llama(write_checkpoint(tmp_path / "ints", ints, HF_CONFIG))
+    with pytest.raises(ValueError, match="num_hidden_layers=2.5 must be an integer"):
+        load_hf_llama(write_checkpoint(tmp_path / "frac", good, dict(HF_CONFIG, num_hidden_layers=2.5)))
+    new_layout = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
+    new_layout["rope_parameters"] = dict(HF_CONFIG["rope_scaling"], rope_theta=500000.0)
+    same = load_hf_llama(write_checkpoint(tmp_path / "v5", good, new_layout))
+    assert (same.config.rope_theta, same.config.rope_scaling) == (500000.0, 8.0)
+    plain = dict(new_layout, rope_parameters={"rope_type": "default", "rope_theta": 20000.0})
+    assert load_hf_llama(write_checkpoint(tmp_path / "v5plain", good, plain)).config.rope_scaling is None
+    with pytest.raises(ValueError, match="rope_theta=10000.0 and rope_parameters.*disagree"):
+        load_hf_llama(write_checkpoint(tmp_path / "clash", good, dict(new_layout, rope_theta=10000.0)))
+
+
+def test_malformed_safetensors_are_refused(tmp_path):
+    """Overlapping data_offsets, fractional or negative shapes: ValueErrors naming the file and tensor."""
+    import struct
+
+    def raw(path, header, data=bytes(64)):
+        encoded = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+        return path
+    overlap = {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+               "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}
+    with pytest.raises(ValueError, match="tensors 'a' and 'b' share bytes"):
+        read_safetensors(raw(tmp_path / "overlap.safetensors", overlap))
+    for shape in ([4.5], [-4], [True]):
+        bad = {"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 16]}}
+        with pytest.raises(ValueError, match="tensor 'a' has a malformed header entry"):
+            read_safetensors(raw(tmp_path / "shape.safetensors", bad))
 
 
 def test_dp_lora_on_imported_llama_equals_reference(tmp_path):

@@ -25,6 +25,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
+FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")  # what a weight may be stored as
 # {HF tensor name: (our parameter path, whether HF stores it transposed: torch's Linear (out, in))}
 Names = dict[str, tuple[tuple, bool]]
 
@@ -61,6 +62,13 @@ class ConfigReader:
                 return self.hf[k]
         raise ValueError(f"{self.source}: missing key {key!r} (an HF {self.model} config.json has it)")
 
+    def need_int(self, key: str, *alternatives: str) -> int:
+        """`need`, for a count: an integer >= 1 (2.0 is 2; 2.5 or True is a ValueError, not a smaller model)."""
+        value = self.need(key, *alternatives)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+            raise ValueError(f"{self.source}: {key}={value!r} must be an integer >= 1")
+        return int(value)
+
     def refuse(self, key: str, default, allowed: tuple, why: str) -> None:
         """ValueError unless the value of `key` (`default` when absent) is one of `allowed`."""
         value = self.hf.get(key, default)
@@ -71,24 +79,52 @@ class ConfigReader:
 def read_tensors(path: str, prefix: str) -> tuple[dict[str, tuple[np.ndarray, str]], str]:
     """({name without `prefix`: (array, the file it came from)}, the weights file or index)."""
     single, index = os.path.join(path, WEIGHTS_FILE), os.path.join(path, INDEX_FILE)
+    weight_map = None
     if os.path.isfile(single):
         files, source = [single], single
     elif os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: missing its 'weight_map' object")
+        weight_map = _weight_map(index)
         files, source = [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())], index
     else:
         others = [n for n in ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack")
                   if os.path.exists(os.path.join(path, n))]
         hint = f"; found {others}: re-save it with safe_serialization=True" if others else ""
         raise FileNotFoundError(f"HF checkpoint {path!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
-    tensors = {}
+    tensors, seen = {}, set()
     for file in files:
         for name, array in read_safetensors(file).items():
-            tensors[name.removeprefix(prefix)] = (array, file)
+            seen.add(name)
+            if weight_map is not None and weight_map.get(name) != os.path.basename(file):
+                raise ValueError(f"{file}: tensor {name!r} is not in this file by {INDEX_FILE} "
+                                 f"(which maps it to {weight_map.get(name)!r})")
+            short = name.removeprefix(prefix)
+            if short in tensors:  # e.g. both "transformer.wte.weight" and "wte.weight": which is the model?
+                raise ValueError(f"{file}: tensor {name!r} and another in {tensors[short][1]} are both "
+                                 f"{short!r} (with or without the {prefix!r} prefix)")
+            tensors[short] = (array, file)
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - seen)
+        if missing:
+            raise ValueError(f"{source}: tensor(s) {missing[:8]} are missing from the files it maps them to")
     return tensors, source
+
+
+def _weight_map(index: str) -> dict[str, str]:
+    """The index's {tensor name: file name}; ValueError naming the index unless every file is a plain
+    name in the checkpoint's directory (no path: '../x.safetensors' or '/x' would read outside it)."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{index}: not valid JSON ({e})") from None
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: missing its 'weight_map' object")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
+            raise ValueError(f"{index}: weight_map[{name!r}] = {file!r} is not a file name in the checkpoint's "
+                             "directory")
+    return weight_map
 
 
 def load_state(abstract: nnx.Module, tensors: dict, source: str, names: Names, what: str):
@@ -108,6 +144,8 @@ def load_state(abstract: nnx.Module, tensors: dict, source: str, names: Names, w
         if hf not in tensors:
             raise ValueError(f"{source}: tensor {hf!r} is missing ({what}, from {CONFIG_FILE})")
         array, file = tensors[hf]
+        if array.dtype.name not in FLOAT_DTYPES:
+            raise ValueError(f"{file}: tensor {hf!r} is {array.dtype.name}, not a float ({FLOAT_DTYPES})")
         array = np.asarray(array, dtype=np.float32)
         shape = tuple(var.shape[::-1]) if transposed else tuple(var.shape)
         if tuple(array.shape) != shape:

@@ -51,19 +51,19 @@ def hf_names(n_layer: int) -> hf_checkpoint.Names:
 def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> GPT2Config:
     """`GPT2Config` of an HF GPT-2 `config.json` dict; ValueError naming `source` and the key otherwise."""
     cfg = hf_checkpoint.ConfigReader(hf, source, "GPT-2", overrides, OVERRIDABLE)
-    need, refuse = cfg.need, cfg.refuse
+    need, refuse = cfg.need_int, cfg.refuse
     refuse("model_type", "gpt2", ("gpt2",), "only GPT-2 checkpoints load into jaxdp's GPT2")
     refuse("activation_function", "gelu_new", ACTIVATIONS, "jaxdp's GPT-2 uses the tanh GELU")
     refuse("tie_word_embeddings", True, (True,), "jaxdp's GPT-2 ties its head to wte")
     refuse("scale_attn_weights", True, (True,), "attention is scaled by 1/sqrt(head_dim)")
     refuse("scale_attn_by_inverse_layer_idx", False, (False,), "no per-layer attention scaling")
     refuse("add_cross_attention", False, (False,), "decoder-only")
-    d = int(need("n_embd"))
-    n_inner = hf.get("n_inner") or 4 * d
+    d = need("n_embd")
+    n_inner = need("n_inner") if hf.get("n_inner") is not None else 4 * d
     if n_inner % d:
         raise ValueError(f"{source}: n_inner={n_inner} must be a multiple of n_embd={d}")
-    return GPT2Config(vocab_size=int(need("vocab_size")), seq_len=int(need("n_positions", "n_ctx")),
-                      n_layer=int(need("n_layer")), n_head=int(need("n_head")), d_model=d,
+    return GPT2Config(vocab_size=need("vocab_size"), seq_len=need("n_positions", "n_ctx"),
+                      n_layer=need("n_layer"), n_head=need("n_head"), d_model=d,
                       mlp_ratio=n_inner // d, layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
                       **overrides)
 

@@ -12,7 +12,8 @@ is `lm_head.weight` (V, D), or tied to `embed_tokens` (`tie_word_embeddings`,
 Llama 3.2 1B / 3B), in which case a stored `lm_head.weight` must equal it.
 RoPE scaling: none, or Llama 3.1's "llama3" with the low / high frequency
 factors 1 / 4 and 8192 original positions of every released Llama 3.x (other
-values are refused). Names may carry the `model.` prefix of `LlamaForCausalLM`;
+values are refused), read from transformers < 5's `rope_theta` / `rope_scaling`
+or transformers 5's `rope_parameters`. Names may carry the `model.` prefix of `LlamaForCausalLM`;
 old checkpoints' `rotary_emb.inv_freq` buffers are skipped.
 
     model = load_hf_llama("llama-3.2-1b/", dtype="bfloat16", remat="full")
@@ -53,31 +54,62 @@ def hf_names(config: LlamaConfig) -> hf_checkpoint.Names:
     return names
 
 
+def _rope(hf: dict, source: str) -> tuple[float, float | None]:
+    """(rope_theta, the llama3 scaling factor or None) of a config in either layout: transformers < 5's
+    top-level `rope_theta` / `rope_scaling`, or transformers 5's `rope_parameters` (which holds both);
+    ValueError when the two layouts disagree (which would the model use?)."""
+    params = hf.get("rope_parameters")
+    theta, scaling = hf.get("rope_theta"), hf.get("rope_scaling")
+    key = "rope_scaling"
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ValueError(f"{source}: rope_parameters={params!r} must be an object")
+        p_theta = params.get("rope_theta", theta)
+        if theta is not None and p_theta != theta:
+            raise ValueError(f"{source}: rope_theta={theta!r} and rope_parameters['rope_theta']={p_theta!r} disagree")
+        p_kind = params.get("rope_type", params.get("type", "default"))
+        p_scaling = None if p_kind == "default" else params
+        if scaling is not None and p_scaling is not None and any(scaling.get(k) != p_scaling.get(k)
+                                                                for k in ("factor", *LLAMA3_ROPE)):
+            raise ValueError(f"{source}: rope_scaling={scaling!r} and rope_parameters={params!r} disagree")
+        if scaling is not None and p_scaling is None:
+            raise ValueError(f"{source}: rope_scaling={scaling!r} but rope_parameters has rope_type {p_kind!r}")
+        theta, scaling, key = p_theta, p_scaling, "rope_parameters"
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind != "llama3" or any(scaling.get(k) != v for k, v in LLAMA3_ROPE.items()):
+            raise ValueError(f"{source}: {key}={scaling!r} is not supported; allowed: no scaling, or "
+                             f"rope_type 'llama3' with {LLAMA3_ROPE} and any factor")
+        if not isinstance(scaling.get("factor"), (int, float)) or isinstance(scaling.get("factor"), bool):
+            raise ValueError(f"{source}: {key} has no numeric 'factor'")
+        scaling = float(scaling["factor"])
+    theta = 10000.0 if theta is None else theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ValueError(f"{source}: rope_theta={theta!r} must be a number > 0")
+    return float(theta), scaling
+
+
 def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> LlamaConfig:
     """`LlamaConfig` of an HF Llama `config.json` dict; ValueError naming `source` and the key otherwise."""
     cfg = hf_checkpoint.ConfigReader(hf, source, "Llama", overrides, OVERRIDABLE)
-    need, refuse = cfg.need, cfg.refuse
+    need, refuse = cfg.need_int, cfg.refuse
     refuse("model_type", "llama", ("llama",), "only Llama checkpoints load into jaxdp's Llama")
     refuse("hidden_act", "silu", ("silu",), "jaxdp's Llama uses SwiGLU with SiLU")
     refuse("attention_bias", False, (False,), "jaxdp's Llama has no biases")
     refuse("mlp_bias", False, (False,), "jaxdp's Llama has no biases")
-    d, n_head = int(need("hidden_size")), int(need("num_attention_heads"))
+    refuse("tie_word_embeddings", False, (False, True), "true or false")
+    d, n_head = need("hidden_size"), need("num_attention_heads")
     refuse("head_dim", None, (None, d // n_head), "the head width is hidden_size / num_attention_heads")
-    scaling = hf.get("rope_scaling")
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        if kind != "llama3" or any(scaling.get(k) != v for k, v in LLAMA3_ROPE.items()):
-            raise ValueError(f"{source}: rope_scaling={scaling!r} is not supported; allowed: None, or "
-                             f"rope_type 'llama3' with {LLAMA3_ROPE} and any factor")
-        if scaling.get("factor") is None:
-            raise ValueError(f"{source}: rope_scaling has no 'factor'")
-        scaling = float(scaling["factor"])
-    return LlamaConfig(vocab_size=int(need("vocab_size")), seq_len=int(need("max_position_embeddings")),
-                       n_layer=int(need("num_hidden_layers")), n_head=n_head,
-                       n_kv_head=int(hf.get("num_key_value_heads") or n_head), d_model=d,
-                       d_ff=int(need("intermediate_size")), rope_theta=float(hf.get("rope_theta", 10000.0)),
-                       rope_scaling=scaling, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **overrides)
+    theta, scaling = _rope(hf, source)
+    eps = hf.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"{source}: rms_norm_eps={eps!r} must be a number > 0")
+    return LlamaConfig(vocab_size=need("vocab_size"), seq_len=need("max_position_embeddings"),
+                       n_layer=need("num_hidden_layers"), n_head=n_head,
+                       n_kv_head=need("num_key_value_heads") if hf.get("num_key_value_heads") else n_head,
+                       d_model=d, d_ff=need("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
+                       rms_norm_eps=float(eps), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                       **overrides)
 
 
 def config_to_hf(config: LlamaConfig) -> dict:

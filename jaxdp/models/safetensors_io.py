@@ -64,23 +64,34 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     data = _map(path)
     header, start = _header(path, data)
     body = data[start:]
-    tensors = {}
+    tensors, spans = {}, []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             dtype = DTYPES[info["dtype"]]
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
+            shape, offsets = tuple(info["shape"]), tuple(info["data_offsets"])
+            if len(offsets) != 2 or not all(_natural(v) for v in shape + offsets):
+                raise ValueError
+            begin, end = offsets
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r} "
-                             f"(dtype must be one of {sorted(DTYPES)})") from None
+            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r} (dtype one of "
+                             f"{sorted(DTYPES)}, shape and data_offsets integers >= 0)") from None
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if not 0 <= begin <= end <= len(body) or end - begin != size:
+        if not begin <= end <= len(body) or end - begin != size:
             raise ValueError(f"{path}: tensor {name!r} has data_offsets [{begin}, {end}] that do not hold "
                              f"{info['dtype']}{list(shape)} ({size} bytes) inside the file's {len(body)} data bytes")
         tensors[name] = body[begin:end].view(dtype).reshape(shape)
+        spans.append((begin, end, name))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ValueError(f"{path}: tensors {first!r} and {second!r} share bytes (overlapping data_offsets)")
     return tensors
+
+
+def _natural(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
