@@ -69,6 +69,14 @@ class ConfigReader:
             raise ValueError(f"{self.source}: {key}={value!r} must be an integer >= 1")
         return int(value)
 
+    def positive(self, key: str, default: float, value=None) -> float:
+        """The number at `key` (`default` when absent; or `value`, read from elsewhere under that name) as a
+        float > 0; ValueError naming the file and key for anything else (a string, a bool, 0)."""
+        value = self.hf.get(key, default) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{self.source}: {key}={value!r} must be a number > 0")
+        return float(value)
+
     def refuse(self, key: str, default, allowed: tuple, why: str) -> None:
         """ValueError unless the value of `key` (`default` when absent) is one of `allowed`."""
         value = self.hf.get(key, default)

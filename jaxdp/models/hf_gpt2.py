@@ -64,7 +64,7 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> GPT2Conf
         raise ValueError(f"{source}: n_inner={n_inner} must be a multiple of n_embd={d}")
     return GPT2Config(vocab_size=need("vocab_size"), seq_len=need("n_positions", "n_ctx"),
                       n_layer=need("n_layer"), n_head=need("n_head"), d_model=d,
-                      mlp_ratio=n_inner // d, layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+                      mlp_ratio=n_inner // d, layer_norm_epsilon=cfg.positive("layer_norm_epsilon", 1e-5),
                       **overrides)
 
 

@@ -54,16 +54,18 @@ def hf_names(config: LlamaConfig) -> hf_checkpoint.Names:
     return names
 
 
-def _rope(hf: dict, source: str) -> tuple[float, float | None]:
+def _rope(cfg: hf_checkpoint.ConfigReader) -> tuple[float, float | None]:
     """(rope_theta, the llama3 scaling factor or None) of a config in either layout: transformers < 5's
     top-level `rope_theta` / `rope_scaling`, or transformers 5's `rope_parameters` (which holds both);
     ValueError when the two layouts disagree (which would the model use?)."""
+    hf, source = cfg.hf, cfg.source
     params = hf.get("rope_parameters")
     theta, scaling = hf.get("rope_theta"), hf.get("rope_scaling")
     key = "rope_scaling"
+    for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{source}: {name}={value!r} must be an object")
     if params is not None:
-        if not isinstance(params, dict):
-            raise ValueError(f"{source}: rope_parameters={params!r} must be an object")
         p_theta = params.get("rope_theta", theta)
         if theta is not None and p_theta != theta:
             raise ValueError(f"{source}: rope_theta={theta!r} and rope_parameters['rope_theta']={p_theta!r} disagree")
@@ -76,17 +78,14 @@ def _rope(hf: dict, source: str) -> tuple[float, float | None]:
             raise ValueError(f"{source}: rope_scaling={scaling!r} but rope_parameters has rope_type {p_kind!r}")
         theta, scaling, key = p_theta, p_scaling, "rope_parameters"
     if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        kind = scaling.get("rope_type", scaling.get("type"))
         if kind != "llama3" or any(scaling.get(k) != v for k, v in LLAMA3_ROPE.items()):
             raise ValueError(f"{source}: {key}={scaling!r} is not supported; allowed: no scaling, or "
                              f"rope_type 'llama3' with {LLAMA3_ROPE} and any factor")
         if not isinstance(scaling.get("factor"), (int, float)) or isinstance(scaling.get("factor"), bool):
             raise ValueError(f"{source}: {key} has no numeric 'factor'")
         scaling = float(scaling["factor"])
-    theta = 10000.0 if theta is None else theta
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise ValueError(f"{source}: rope_theta={theta!r} must be a number > 0")
-    return float(theta), scaling
+    return cfg.positive("rope_theta", 10000.0, theta), scaling
 
 
 def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> LlamaConfig:
@@ -100,15 +99,12 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> LlamaCon
     refuse("tie_word_embeddings", False, (False, True), "true or false")
     d, n_head = need("hidden_size"), need("num_attention_heads")
     refuse("head_dim", None, (None, d // n_head), "the head width is hidden_size / num_attention_heads")
-    theta, scaling = _rope(hf, source)
-    eps = hf.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"{source}: rms_norm_eps={eps!r} must be a number > 0")
+    theta, scaling = _rope(cfg)
     return LlamaConfig(vocab_size=need("vocab_size"), seq_len=need("max_position_embeddings"),
                        n_layer=need("num_hidden_layers"), n_head=n_head,
                        n_kv_head=need("num_key_value_heads") if hf.get("num_key_value_heads") else n_head,
                        d_model=d, d_ff=need("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
-                       rms_norm_eps=float(eps), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                       rms_norm_eps=cfg.positive("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                        **overrides)
 
 
