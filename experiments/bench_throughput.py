@@ -40,9 +40,11 @@ from experiments._results import write_results
 
 METHODS = ("non_dp", "explicit", "two_pass", "ghost", "store", "auto", "per_layer", "pallas_flat",
            "pallas_per_layer")
+SECURE = "auto_secure"  # auto with fused_clip(secure_noise=True); on request (--methods), not in the default grid
 CONFIGS = flags.DEFINE_list("configs", ["small:4:1024", "small:16:1024", "small:1:16384"],
                             "model:micro_batch:seq_len of GPT-2 presets")
-METHODS_FLAG = flags.DEFINE_list("methods", list(METHODS), "methods to run (non_dp is always added)")
+METHODS_FLAG = flags.DEFINE_list("methods", list(METHODS),
+                                 f"methods to run (non_dp is always added; also {SECURE})")
 DTYPE = flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
 ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "xla", "cudnn"], "attention implementation")
 STEPS = flags.DEFINE_integer("steps", 10, "timed steps (median reported)")
@@ -76,10 +78,10 @@ def _step_fn(cfg: dict):
         tx = optax.adam(1e-4)
     else:
         clipping = "per_layer" if method in ("per_layer", "pallas_per_layer") else "flat"
-        strategy = {"explicit": "auto", "ghost": "ghost", "store": "store", "auto": "auto",
+        strategy = {"explicit": "auto", "ghost": "ghost", "store": "store", "auto": "auto", SECURE: "auto",
                     "per_layer": "auto"}.get(method, "pallas")
         tx = optax.chain(jaxdp.fused_clip(C, sigma, expected_batch_size=expected_B, clipping=clipping,
-                                          strategy=strategy), optax.adam(1e-4))
+                                          strategy=strategy, secure_noise=method == SECURE), optax.adam(1e-4))
 
     def build():
         model = GPT2(config, rngs=nnx.Rngs(0))
@@ -204,6 +206,9 @@ def main(argv):
     target = TARGET.value
     attention = "cudnn" if target and ATTENTION.value == "auto" else ATTENTION.value
     methods = ["non_dp"] + [m for m in METHODS_FLAG.value if m != "non_dp"]
+    unknown = sorted(set(methods) - set(METHODS) - {SECURE})
+    if unknown:
+        raise app.UsageError(f"--methods: unknown {unknown}; allowed: {', '.join(METHODS + (SECURE,))}")
     where = f"predicted for {target} (XLA:GPU deviceless compile on {jax.devices()[0].device_kind})" if target else \
         f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})"
     print(f"{where}, jax {jax.__version__}, {datetime.date.today()}, {dtype}, attention {attention}\n")

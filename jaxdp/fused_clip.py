@@ -284,7 +284,7 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
                group_weights: Mapping[Hashable, float] | None = None,
                chunk_size: int = norm_costs.DEFAULT_CHUNK_SIZE,
                memory_budget_bytes: int = norm_costs.DEFAULT_MEMORY_BUDGET_BYTES,
-               store_budget_bytes: int | None = None,
+               store_budget_bytes: int | None = None, secure_noise: bool = False,
                ) -> optax.GradientTransformation:
     """DP-SGD aggregation: clip per example, sum, add Gaussian noise once per logical batch.
 
@@ -344,6 +344,10 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
       store_budget_bytes: what `strategy="auto"` may hold in kept per-example
         gradients, in total; None: 1/4 of the device's memory where
         `jaxdp.device_rates` knows it, else `memory_budget_bytes`.
+      secure_noise: draw each noise value as the sum of 4 normals / 2 (Opacus'
+        `secure_mode` mitigation of floating-point attacks on the noise; four
+        draws instead of one). Use it when noisy sums (not only the final
+        model) are released: see `jaxdp.noise`, "Floating-point noise".
 
     Returns:
       An `optax.GradientTransformation`.
@@ -370,6 +374,7 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
     norms_lib.check_strategy(strategy)
     noise_std = noise_lib.noise_std(l2_norm_clip, noise_multiplier)
     key = noise_lib.check_key(key, "fused_clip")
+    secure_noise = noise_lib.check_secure(secure_noise, "fused_clip")
 
     def init_fn(params):
         accumulated = None
@@ -388,7 +393,7 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
         is_last = state.micro_step == accumulation_steps - 1
 
         def emit(sums, key):
-            key, noisy = noise_lib.add_noise(sums, key, noise_std)
+            key, noisy = noise_lib.add_noise(sums, key, noise_std, secure=secure_noise)
             updates = jax.tree.map(lambda s: s / expected_batch_size, noisy)
             return updates, key, jax.tree.map(jnp.zeros_like, sums)
 

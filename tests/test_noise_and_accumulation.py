@@ -1,4 +1,5 @@
-"""Noise: calibrated std, fresh per step, reproducible. Accumulation: k micro-batches = their union."""
+"""Noise: calibrated std, fresh per step, reproducible; the floating-point attack on one draw per value and
+`secure_noise`. Accumulation: k micro-batches = their union."""
 
 import functools
 
@@ -143,3 +144,115 @@ def test_default_noise_key_is_secret():
     assert not any(np.array_equal(d, replay) for d in data)
     with pytest.raises(TypeError, match="key"):
         jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=5)
+
+
+# ------------------------------------------------------------------ floating-point noise (Mironov 2012)
+
+
+@functools.lru_cache(maxsize=None)
+def single_draw_values(std: float) -> np.ndarray:
+    """Every value `std * jax.random.normal(key, dtype=float32)` can take on this backend, sorted: the
+    normal maps 23 random mantissa bits to a uniform u in (-1, 1), then sqrt(2) erfinv(u). Both
+    roundings of std * sqrt(2) * erfinv(u) (under jit XLA folds std * sqrt(2) into one constant)."""
+    mantissas = jnp.arange(2**23, dtype=jnp.uint32) | jnp.uint32(0x3F800000)
+    floats = jax.lax.bitcast_convert_type(mantissas, jnp.float32) - 1.0
+    lo, hi = jnp.nextafter(jnp.float32(-1), jnp.float32(0)), jnp.float32(1)
+    u = jnp.maximum(lo, floats * (hi - lo) + lo)
+    e = np.asarray(jax.scipy.special.erfinv(u))
+    std, sqrt2 = np.float32(std), np.float32(np.sqrt(np.float32(2)))
+    return np.union1d(std * (sqrt2 * e), (std * sqrt2) * e)
+
+
+def attainable(noise, values) -> float:
+    """The fraction of `noise` (float32) that lies among `values`: an attacker's membership test."""
+    return float(np.isin(np.asarray(noise, np.float32), values).mean())
+
+
+def fresh_key():
+    return jaxdp.noise.noise_key_from_seed(int(np.random.SeedSequence().entropy))
+
+
+def test_floating_point_noise_attack():
+    """An attacker who sees the noisy sum y = s + n exactly and knows s up to one example tests which
+    candidate leaves y - s among the single draw's 2^23 values. With one draw per value the true candidate
+    wins on most coordinates (the example's presence is read off with certainty); with `secure=True` (sum
+    of 4 draws / 2) both candidates fall among them at the rate of ideal float32 normals, and its noise is
+    N(0, std^2)."""
+    std = jaxdp.noise.noise_std(1.0, 1.0)
+    values = single_draw_values(std)
+    d = 1 << 18
+    rng = np.random.default_rng()
+    others = (rng.standard_normal(d) * std).astype(np.float32)   # the other examples' sum, known, noise-sized
+    target = rng.standard_normal(d)
+    target = (target / np.linalg.norm(target)).astype(np.float32)  # the attacked example, norm C = 1
+    ideal = attainable(rng.standard_normal(d) * std, values)   # float64 normals rounded to float32
+    add_noise = jax.jit(jaxdp.noise.add_noise, static_argnums=(2, 3))
+    rates = {}
+    for secure in (False, True):
+        key = fresh_key()
+        _, noise = add_noise(jnp.zeros(d, jnp.float32), key, std, secure)
+        _, released = add_noise(jnp.asarray(others), key, std, secure)  # the example is absent
+        released = np.asarray(released)
+        rates[secure] = (attainable(noise, values), attainable(released - others, values),
+                         attainable(released - (others + target), values))
+        if secure:
+            assert abs(float(noise.std()) / std - 1) < 0.01 and abs(float(noise.mean())) < 5 * std / np.sqrt(d)
+    drawn, true, false = rates[False]
+    assert drawn == 1.0 and true > 0.5 and false < ideal + 0.02, rates   # the attack works on one draw
+    drawn, true, false = rates[True]
+    assert max(abs(drawn - ideal), abs(true - ideal), abs(false - ideal)) < 0.01, (rates, ideal)
+
+
+def test_secure_noise_reaches_the_noise():
+    """fused_clip(secure_noise=True), ShardedDPStep(secure_noise=True) and the job's config.dp.secure_noise
+    draw the secure noise (off the single draw's values); the default draws one normal per value; a
+    non-bool flag is refused, naming it."""
+    C, sigma = 1.0, 1.0
+    values = single_draw_values(jaxdp.noise.noise_std(C, sigma))
+    grads = {"w": jax.random.normal(jax.random.key(np.random.SeedSequence().entropy % 2**31), (2, 256, 512))}
+    params = {"w": jnp.zeros((256, 512))}
+    updates = {}
+    for secure in (False, True):
+        tx = jaxdp.fused_clip(C, sigma, expected_batch_size=1.0, key=fresh_key(), secure_noise=secure)
+        updates[secure] = np.asarray(jax.jit(tx.update)(grads, tx.init(params), params)[0]["w"])
+    clean = jaxdp.fused_clip(C, 0.0, expected_batch_size=1.0)
+    clean = np.asarray(jax.jit(clean.update)(grads, clean.init(params), params)[0]["w"])
+    assert attainable(updates[False] - clean, values) > 0.6
+    assert attainable(updates[True] - clean, values) < 0.3
+    with pytest.raises(TypeError, match="secure_noise"):
+        jaxdp.fused_clip(C, sigma, expected_batch_size=1.0, secure_noise="yes")
+
+    class One(nnx.Module):
+        def __init__(self):
+            self.lin = jaxdp.nn.Linear(64, 512, rngs=nnx.Rngs(0))
+
+    def loss_fn(model, batch):
+        return jnp.where(batch["mask"], model.lin(batch["x"]).sum((1, 2)), 0.0)
+
+    step = jaxdp.sharding.ShardedDPStep(loss_fn, optax.sgd(1.0), jaxdp.sharding.make_mesh(1), l2_norm_clip=C,
+                                        noise_multiplier=sigma, expected_batch_size=1.0, key=fresh_key(),
+                                        secure_noise=True)
+    batch = {"x": jnp.ones((2, 3, 64)), "mask": jnp.zeros((2,), bool)}  # every example masked: y is the noise
+    _, out = step(step.init(One()), batch)
+    noise = np.asarray(out["grads"]["lin"]["kernel"])
+    assert attainable(noise, values) < 0.3
+    assert abs(noise.std() / jaxdp.noise.noise_std(C, sigma) - 1) < 0.03
+
+    from jaxdp.training import steps
+    from experiments.configs import default
+    config = default.get_config()
+    config.dp.secure_noise = True
+    seen = {}
+    real = steps.fused_clip
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    steps.fused_clip = spy
+    steps._make_tx.cache_clear()  # cached per argument tuple: build this one afresh
+    try:
+        steps._tx_of(config, 1.0, 4.0, 1)
+    finally:
+        steps.fused_clip = real
+    assert seen["secure_noise"] is True

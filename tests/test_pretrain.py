@@ -161,6 +161,7 @@ def test_privacy_receipt_states_what_ran_and_holds_no_secret(reference_run):
         assert key in r, key
     m, smp = r["mechanism"], r["sampling"]
     assert {"clipping", "l2_norm_clip", "noise_multiplier", "normalisation", "sensitivity"} <= m.keys()
+    assert m["noise_sampler"].startswith("one float32 normal per value")  # config.dp.secure_noise = False
     assert (r["epsilon"], r["delta"], r["accountant"], r["steps"]) == (
         summary["epsilon"], summary["delta"], summary["accountant"], summary["steps"])
     assert m["noise_multiplier"] == summary["noise_multiplier"] and m["l2_norm_clip"] == 1.0

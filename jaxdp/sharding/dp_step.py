@@ -154,7 +154,8 @@ class ShardedDPStep:
     options are then ignored. It is not differentially private.
 
     `key`: the noise PRNG key of `init`'s state; None (the default) draws one
-    from the operating system's entropy (`jaxdp.noise.secret_key`).
+    from the operating system's entropy (`jaxdp.noise.secret_key`). `secure_noise`: as
+    `jaxdp.fused_clip`'s (each noise value the sum of 4 normals / 2).
 
     `loss_fn(model, batch) -> losses (B,)`. On a mesh with seq > 1 (context
     parallelism) the step calls `loss_fn(model, batch, seq_axis=SEQ)` on each
@@ -172,7 +173,7 @@ class ShardedDPStep:
                  key: jax.Array | None = None, zero_stage: int = 0, clipping="flat", clip_fn: str = "abadi",
                  gamma: float = 0.01, strategy: str = "auto", group_weights=None,
                  chunk_size: int = norm_costs.DEFAULT_CHUNK_SIZE, private: bool = True,
-                 method: str = "bookkeeping", allow_low_precision: bool = False):
+                 method: str = "bookkeeping", allow_low_precision: bool = False, secure_noise: bool = False):
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
         if method not in METHODS:
@@ -194,6 +195,7 @@ class ShardedDPStep:
         self.zero_stage, self.private, self.method = zero_stage, private, method
         self.allow_low_precision = allow_low_precision  # two_pass below float32: measurements only (jaxdp.two_pass)
         self.key = noise_lib.check_key(key, "ShardedDPStep")
+        self.secure_noise = noise_lib.check_secure(secure_noise, "ShardedDPStep")
         self.noise_std = noise_lib.noise_std(l2_norm_clip, noise_multiplier) if private else 0.0
         self.expected_batch_size = expected_batch_size
         self.clip_kwargs = dict(clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,
@@ -265,7 +267,7 @@ class ShardedDPStep:
                 reduced.append(jax.lax.psum_scatter(s, DATA, scatter_dimension=d, tiled=True))
                 shards.append(jax.lax.axis_index(DATA))
         if self.noise_std > 0:
-            noise = noise_lib.gaussians(leaf_keys, reduced, self.noise_std, shards)
+            noise = noise_lib.gaussians(leaf_keys, reduced, self.noise_std, shards, secure=self.secure_noise)
             reduced = [s + n for s, n in zip(reduced, noise)]
         out = [s / self.expected_batch_size for s in reduced]
         return losses, jax.tree.unflatten(treedef, out)

@@ -222,6 +222,8 @@ def validate_config(config) -> None:
                  f"config.dp.method='two_pass' needs config.dtype='float32', got {config.dtype!r}: below float32 "
                  "its second pass rounds differently from the norms and the clip no longer bounds one unit's "
                  "contribution (jaxdp.two_pass); use config.dp.method='bookkeeping' for bfloat16")
+    _require(isinstance(dp.secure_noise, bool),
+             f"config.dp.secure_noise must be True or False, got {dp.secure_noise!r}")
     _require(dp.overflow in OVERFLOW_MODES,
              f"config.dp.overflow must be one of {OVERFLOW_MODES}, got {dp.overflow!r}")
     if dp.enabled:

@@ -33,7 +33,8 @@ def _tx_of(config, noise_multiplier: float, expected_batch_size: float, accumula
     return _make_tx(accumulation_steps or config.accumulation_steps, config.learning_rate, config.min_lr_ratio,
                     config.warmup_steps, config.steps, config.b1, config.b2, config.weight_decay,
                     dp.enabled, dp.l2_norm_clip, float(noise_multiplier), float(expected_batch_size),
-                    dp.clipping, dp.clip_fn, "auto" if dp.strategy == "reference" else dp.strategy)
+                    dp.clipping, dp.clip_fn, "auto" if dp.strategy == "reference" else dp.strategy,
+                    dp.secure_noise)
 
 
 def make_optimizer(config, model: nnx.Module, *, noise_multiplier: float, expected_batch_size: float,
@@ -69,7 +70,7 @@ def noise_key_variable(optimizer: nnx.Optimizer) -> nnx.Variable:
 @functools.lru_cache(maxsize=64)
 def _make_tx(k, learning_rate, min_lr_ratio, warmup_steps, steps, b1, b2, weight_decay,
              dp_enabled, l2_norm_clip, noise_multiplier, expected_batch_size, clipping,
-             clip_fn, strategy) -> optax.GradientTransformation:
+             clip_fn, strategy, secure_noise) -> optax.GradientTransformation:
     warmup = min(warmup_steps, max(steps - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, learning_rate, warmup, max(steps, warmup + 1), end_value=learning_rate * min_lr_ratio)
@@ -80,7 +81,7 @@ def _make_tx(k, learning_rate, min_lr_ratio, warmup_steps, steps, b1, b2, weight
     return optax.chain(
         fused_clip(l2_norm_clip, noise_multiplier, expected_batch_size=expected_batch_size,
                    key=None, clipping=clipping, clip_fn=clip_fn, strategy=strategy,
-                   accumulation_steps=k),
+                   accumulation_steps=k, secure_noise=secure_noise),
         inner)
 
 
@@ -169,12 +170,13 @@ class ShardedTrainer:
         dp = config.dp
         inner = _make_tx(1, config.learning_rate, config.min_lr_ratio, config.warmup_steps, config.steps,
                          config.b1, config.b2, config.weight_decay, False, dp.l2_norm_clip,
-                         float(noise_multiplier), float(config.batch_size), dp.clipping, dp.clip_fn, dp.strategy)
+                         float(noise_multiplier), float(config.batch_size), dp.clipping, dp.clip_fn, dp.strategy,
+                         dp.secure_noise)
         self.step = sharding.ShardedDPStep(  # the run's noise key, from fused_clip's state in `optimizer`
             cp_lm_losses, inner, mesh, l2_norm_clip=dp.l2_norm_clip, noise_multiplier=float(noise_multiplier),
             expected_batch_size=float(config.batch_size), key=noise_key_variable(optimizer).get_value(),
             zero_stage=config.mesh.zero_stage, clipping=dp.clipping, clip_fn=dp.clip_fn, strategy=dp.strategy,
-            method=dp.method)
+            method=dp.method, secure_noise=dp.secure_noise)
         self.load()
 
     def _adam_variables(self):
