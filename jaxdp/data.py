@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxdp.corpus import BUNDLED_CORPUS, TEXT_SECTION_CHARS, load_corpus, load_documents, split_text_file
-from jaxdp.tokenizer import EOT_TOKEN, Tokenizer, gpt2_tokenizer, make_tokenizer, train_bpe_tokenizer
+from jaxdp.tokenizer import EOT_TOKEN, Tokenizer, check_name, gpt2_tokenizer, make_tokenizer, train_bpe_tokenizer
 
 __all__ = [  # the data pipeline in one namespace: corpus (jaxdp.corpus), tokenizer (jaxdp.tokenizer), windows
     "BUNDLED_CORPUS", "EOT_TOKEN", "PAD", "TEXT_SECTION_CHARS", "TokenWindows", "Tokenizer", "default_cache_dir",
@@ -168,7 +168,7 @@ class TokenWindows:
 
         key = _cache_key(documents, ids, tokenizer, split, validation_fraction)
         cache = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self.cache_path = cache / f"{tokenizer.name}-{split}-{key[:20]}.npy"
+        self.cache_path = cache / f"{check_name(tokenizer.name)}-{split}-{key[:20]}.npy"  # a file in `cache`
         loaded = _try_load(self.cache_path, len(split_docs))
         self.from_cache = loaded is not None
         if loaded is None:

@@ -190,8 +190,15 @@ def prepare(config, *, progress=None) -> Prepared:
     except ValueError as e:
         raise ConfigError(f"config.finetune: {e}") from None
 
+    try:  # read and checked now, before the job writes anything (a corrupt or non-finite weight is one line)
+        pretrained = _pretrained(ft.init, kind, mc)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config.finetune.init: {e}") from None
+
     def build(seed: int) -> nnx.Module:
-        model = _pretrained(ft.init, kind, mc)
+        model = nnx.clone(pretrained)
         return finetune.prepare(model, ft.method, rngs=nnx.Rngs(noise_lib.key_from_seed(seed)), **kw)
     loss_fn = _completion_loss(p, la) if la else p.loss_fn
     return dataclasses.replace(p, build_model=build, loss_fn=loss_fn)

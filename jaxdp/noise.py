@@ -70,7 +70,7 @@ SAMPLES = "samples"
 UNIT_WINDOWS = "unit_windows"  # which windows of each sampled document / user a step trains on
 
 _SEED_BITS = 128
-SECURE_DRAWS = 4  # normals summed per coordinate under secure=True (their sum / 2 is N(0, 1))
+SECURE_DRAWS = 4  # normals summed per coordinate under secure=True (their sum / sqrt(4) is N(0, 1))
 
 
 def secret_seed() -> int:
@@ -154,7 +154,7 @@ def split_step_key(key: jax.Array, num_leaves: int) -> tuple[jax.Array, list[jax
 def gaussians(leaf_keys, leaves, std: float, shards=None, secure: bool = False) -> list[jax.Array]:
     """N(0, std^2) noise like each of `leaves` (arrays or ShapeDtypeStructs) from its key.
 
-    `secure`: each value is the sum of `SECURE_DRAWS` normals times std / 2 (see the module
+    `secure`: each value is the sum of `SECURE_DRAWS` normals times std / sqrt(SECURE_DRAWS) (the module
     docstring, "Floating-point noise").
 
     `shards[i]` (None, or a traced device index): leaf i is this device's block of a
@@ -178,7 +178,7 @@ def gaussians(leaf_keys, leaves, std: float, shards=None, secure: bool = False) 
             keys = jax.vmap(jax.random.fold_in)(keys, jnp.stack(index))
         if secure:
             draws = jax.vmap(lambda k: jax.random.normal(k, (SECURE_DRAWS,) + shape, dtype).sum(0))(keys)
-            draws = draws * (std / 2)
+            draws = draws * (std / SECURE_DRAWS ** 0.5)
         else:
             draws = std * jax.vmap(lambda k: jax.random.normal(k, shape, dtype))(keys)
         for j, i in enumerate(members):

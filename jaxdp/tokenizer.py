@@ -9,11 +9,22 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 from collections.abc import Sequence
 
 EOT_TOKEN = "<|endoftext|>"
 # The end-of-text tokens a `Tokenizer` looks for, in order: GPT-2's, Llama 3's, Llama 1 / 2's.
 EOT_TOKENS = (EOT_TOKEN, "<|end_of_text|>", "</s>")
+# A tokenizer's name is part of cache file names: plain characters only, never a path.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+
+
+def check_name(name) -> str:
+    """`name` if it is a plain tokenizer name (letters, digits, `._+-`, at most 64, no path); else ValueError."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"tokenizer name {name!r} must be 1-64 letters, digits or '._+-' starting with a letter "
+                         "or digit (it names cache files: no paths)")
+    return name
 
 
 class Tokenizer:
@@ -29,7 +40,7 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer, name: str, eot_token: str | None = None):
         self._tok = hf_tokenizer
-        self.name = name
+        self.name = check_name(name)
         candidates = (eot_token,) if eot_token else EOT_TOKENS
         found = [(t, hf_tokenizer.token_to_id(t)) for t in candidates]
         found = [(t, i) for t, i in found if i is not None]
@@ -38,6 +49,10 @@ class Tokenizer:
                              "vocabulary")
         self.eot_token, self.eot_id = found[0][0], int(found[0][1])
         self.vocab_size = int(hf_tokenizer.get_vocab_size(with_added_tokens=True))
+        largest = max(hf_tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+        if largest != self.vocab_size - 1:  # an id past the count would reach past the model's embedding rows
+            raise ValueError(f"tokenizer {name!r}: its ids must be 0..{self.vocab_size - 1} (its vocabulary size), "
+                             f"but the largest is {largest}")
         self._fingerprint = None
 
     def encode(self, text: str) -> list[int]:
@@ -74,7 +89,7 @@ class Tokenizer:
         d = pathlib.Path(directory)
         if not (d / "tokenizer.json").is_file():
             raise ValueError(f"no tokenizer.json in tokenizer directory {d}")
-        name, eot = d.name, None
+        name, eot = re.sub(r"[^A-Za-z0-9._+-]", "_", d.resolve().name).lstrip("._+-")[:64] or "tokenizer", None
         meta_path, hf_path = d / "jaxdp_tokenizer.json", d / "tokenizer_config.json"
         try:
             if meta_path.is_file():
@@ -86,8 +101,17 @@ class Tokenizer:
         except (ValueError, KeyError, AttributeError) as e:
             raise ValueError(f"{meta_path if meta_path.is_file() else hf_path} is not a tokenizer's settings "
                              f"({e!r})") from None
-        return cls(tokenizers.Tokenizer.from_file(str(d / "tokenizer.json")), name,
-                   eot if isinstance(eot, str) else None)
+        if meta_path.is_file():
+            try:
+                check_name(name)
+            except ValueError as e:
+                raise ValueError(f"{meta_path}: {e}") from None
+        try:
+            hf_tokenizer = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+        except Exception as e:  # the Rust library raises a bare Exception for a malformed file
+            raise ValueError(f"{d / 'tokenizer.json'} is not a tokenizer HF tokenizers can read: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        return cls(hf_tokenizer, name, eot if isinstance(eot, str) else None)
 
     def __repr__(self):
         return (f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eot_token={self.eot_token!r}, "

@@ -162,6 +162,38 @@ def test_trained_bpe_round_trip_and_save_load(bpe, tmp_path):
     assert loaded.fingerprint == bpe.fingerprint
 
 
+def test_hostile_tokenizer_directories_are_refused(bpe, tmp_path):
+    """Attacker review 8: a checkpoint's tokenizer directory named its cache files (a name of '../x' wrote the
+    private text's tokens outside the cache), a malformed tokenizer.json was a traceback, and an id past
+    the vocabulary size passed the size check. Now each is a ValueError naming the file; a directory's own
+    odd name is made plain; the token cache stays inside cache_dir."""
+    import json
+    for name in ("../../escaped/x", "/tmp/x", "..", "a/b", "", 7):
+        bpe.save(tmp_path / "tok")
+        (tmp_path / "tok" / "jaxdp_tokenizer.json").write_text(json.dumps({"name": name}))
+        with pytest.raises(ValueError, match=r"jaxdp_tokenizer.json: tokenizer name .* no paths"):
+            data.Tokenizer.load(tmp_path / "tok")
+    plain = tmp_path / "my tok (v2)"
+    plain.mkdir()
+    bpe._tok.save(str(plain / "tokenizer.json"))  # an HF directory: no jaxdp_tokenizer.json
+    assert data.Tokenizer.load(plain).name == "my_tok__v2_"
+    (plain / "tokenizer.json").write_text('{"model": 1}')
+    with pytest.raises(ValueError, match="tokenizer.json is not a tokenizer HF tokenizers can read"):
+        data.Tokenizer.load(plain)
+    spec = json.loads(bpe._tok.to_str())
+    vocab = spec["model"]["vocab"]
+    vocab[max(vocab, key=vocab.get)] = 5000   # an id gap: still bpe.vocab_size tokens
+    (plain / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=rf"ids must be 0..{bpe.vocab_size - 1} .* the largest is 5000"):
+        data.Tokenizer.load(plain)
+    bpe.save(tmp_path / "ok")
+    tampered = data.Tokenizer.load(tmp_path / "ok")
+    tampered.name = "../outside"
+    with pytest.raises(ValueError, match="no paths"):
+        data.TokenWindows(_DOCS, tampered, 16, cache_dir=tmp_path / "cache")
+    assert not list(tmp_path.glob("outside*"))
+
+
 def test_bpe_training_is_deterministic(bpe):
     again = data.train_bpe_tokenizer(_DOCS, vocab_size=300, min_frequency=1)
     assert again.fingerprint == bpe.fingerprint

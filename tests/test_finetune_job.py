@@ -183,7 +183,10 @@ def test_run_directory_of_the_pretraining_job(lora_run, init_run):
     assert receipt["dp"] and 0 < receipt["epsilon"] <= 8 and receipt["unit"] == "document"
     assert "accuracy" in json.dumps(receipt["outside_the_guarantee"])
     # the init weights: needed to use the model, outside this epsilon (the attacker's review, 2026-11-24)
-    assert receipt["guarantee"].endswith("given the tokenizer and the init weights (see outside_the_guarantee)")
+    # the tokenizer is the init's, not learned from this run's data (attacker review 8)
+    assert receipt["guarantee"].endswith("given the init weights and their tokenizer (see outside_the_guarantee)")
+    assert "tokenizer/ (the init's)" in receipt["outside_the_guarantee"]
+    assert not any("trained bpe" in k for k in receipt["outside_the_guarantee"])
     assert receipt["init_weights"]["path"] == str(init_run) and "the init weights (config.finetune.init)" in \
         receipt["outside_the_guarantee"]
     assert receipt["init_weights"]["their_guarantee"].startswith("unknown")  # init_run has no privacy.json
@@ -332,6 +335,11 @@ def test_hf_llama_checkpoint_trains_lora_with_its_own_tokenizer(task, tmp_path):
         with pytest.raises(training.ConfigError, match=f"method '{method}' is built on GPT-2's modules") as e:
             finetune_job.prepare(config_of(task, hf_dir, tmp_path / "refused", finetune__method=method))
         assert "\n" not in str(e.value) and not (tmp_path / "refused").exists()
+    weights = (hf_dir / "model.safetensors").read_bytes()   # attacker review 8: a corrupt weights file is one
+    (hf_dir / "model.safetensors").write_bytes(weights[:-64])  # line from prepare, before the job writes anything
+    with pytest.raises(training.ConfigError, match=r"config.finetune.init: .*model.safetensors: tensor") as e:
+        finetune_job.prepare(config_of(task, hf_dir, tmp_path / "refused"))
+    assert "\n" not in str(e.value) and not (tmp_path / "refused").exists()
     (hf_dir / "tokenizer.json").unlink()
     with pytest.raises(training.ConfigError, match="needs the tokenizer it was trained with"):
         finetune_job.prepare(config_of(task, hf_dir, tmp_path / "refused"))

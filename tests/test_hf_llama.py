@@ -209,6 +209,15 @@ def test_attacker_built_checkpoints_are_refused(tmp_path):
     assert load_hf_llama(write_checkpoint(tmp_path / "v5plain", good, plain)).config.rope_scaling is None
     with pytest.raises(ValueError, match="rope_theta=10000.0 and rope_parameters.*disagree"):
         load_hf_llama(write_checkpoint(tmp_path / "clash", good, dict(new_layout, rope_theta=10000.0)))
+    # Attacker review 8: JSON's Infinity / NaN counts and scales, non-finite or float32-overflowing weights.
+    for key, value in (("num_hidden_layers", float("inf")), ("num_hidden_layers", float("nan")),
+                       ("rope_theta", float("inf")), ("rms_norm_eps", float("nan"))):
+        with pytest.raises(ValueError, match=f"config.json: {key}=.* must be a"):
+            load_hf_llama(write_checkpoint(tmp_path / f"{key}{value}", good, dict(HF_CONFIG, **{key: value})))
+    for value in (np.nan, 1e300):
+        weights = dict(good, **{"model.norm.weight": np.full(D, value, np.float64)})
+        with pytest.raises(ValueError, match=rf"model.safetensors: tensor 'norm.weight' holds {D} non-finite"):
+            load_hf_llama(write_checkpoint(tmp_path / f"nonfinite{value}", weights, HF_CONFIG))
 
 
 def test_malformed_safetensors_are_refused(tmp_path):
@@ -227,6 +236,9 @@ def test_malformed_safetensors_are_refused(tmp_path):
         bad = {"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 16]}}
         with pytest.raises(ValueError, match="tensor 'a' has a malformed header entry"):
             read_safetensors(raw(tmp_path / "shape.safetensors", bad))
+    huge = {"a": {"dtype": "F32", "shape": [2**62, 4], "data_offsets": [0, 0]}}  # 2^64 bytes: int64 wraps to 0
+    with pytest.raises(ValueError, match=r"tensor 'a' has data_offsets \[0, 0\] that do not hold"):
+        read_safetensors(raw(tmp_path / "huge.safetensors", huge))
 
 
 def test_dp_lora_on_imported_llama_equals_reference(tmp_path):

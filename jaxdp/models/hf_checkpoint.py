@@ -12,6 +12,7 @@ the key, `save_checkpoint` writes the directory back.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import jax
@@ -65,16 +66,17 @@ class ConfigReader:
     def need_int(self, key: str, *alternatives: str) -> int:
         """`need`, for a count: an integer >= 1 (2.0 is 2; 2.5 or True is a ValueError, not a smaller model)."""
         value = self.need(key, *alternatives)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value != int(value) or value < 1):
             raise ValueError(f"{self.source}: {key}={value!r} must be an integer >= 1")
         return int(value)
 
     def positive(self, key: str, default: float, value=None) -> float:
         """The number at `key` (`default` when absent; or `value`, read from elsewhere under that name) as a
-        float > 0; ValueError naming the file and key for anything else (a string, a bool, 0)."""
+        finite float > 0; ValueError naming the file and key for anything else (a string, a bool, 0, inf)."""
         value = self.hf.get(key, default) if value is None else value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{self.source}: {key}={value!r} must be a number > 0")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{self.source}: {key}={value!r} must be a finite number > 0")
         return float(value)
 
     def refuse(self, key: str, default, allowed: tuple, why: str) -> None:
@@ -154,7 +156,12 @@ def load_state(abstract: nnx.Module, tensors: dict, source: str, names: Names, w
         array, file = tensors[hf]
         if array.dtype.name not in FLOAT_DTYPES:
             raise ValueError(f"{file}: tensor {hf!r} is {array.dtype.name}, not a float ({FLOAT_DTYPES})")
-        array = np.asarray(array, dtype=np.float32)
+        with np.errstate(over="ignore"):  # a float64 beyond float32's range becomes inf, refused below
+            array = np.asarray(array, dtype=np.float32)
+        if not np.isfinite(array).all():
+            raise ValueError(f"{file}: tensor {hf!r} holds {int((~np.isfinite(array)).sum())} non-finite values "
+                             "(NaN or inf, or beyond float32's range): training from it would spend the privacy "
+                             "budget on NaN losses")
         shape = tuple(var.shape[::-1]) if transposed else tuple(var.shape)
         if tuple(array.shape) != shape:
             raise ValueError(f"{file}: tensor {hf!r} has shape {tuple(array.shape)}, expected {shape} "

@@ -15,6 +15,7 @@ tensor as the caller copies it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 
@@ -77,7 +78,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r} (dtype one of "
                              f"{sorted(DTYPES)}, shape and data_offsets integers >= 0)") from None
-        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = math.prod(shape) * dtype.itemsize  # Python ints: a huge shape cannot wrap around to 0 bytes
         if not begin <= end <= len(body) or end - begin != size:
             raise ValueError(f"{path}: tensor {name!r} has data_offsets [{begin}, {end}] that do not hold "
                              f"{info['dtype']}{list(shape)} ({size} bytes) inside the file's {len(body)} data bytes")

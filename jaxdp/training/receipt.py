@@ -79,9 +79,16 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
                 "note": "non-DP baseline (config.dp.enabled=False): no privacy guarantee"}
     sampler, unit, k = p.sampler, config.privacy.unit, config.privacy.windows_per_unit
     init = _init_weights(config)
-    given = ([] if config.data.tokenizer == "gpt2" else ["the tokenizer"]) + ([] if init is None else ["the init weights"])
-    outside = OUTSIDE_THE_GUARANTEE if init is None else {
-        **OUTSIDE_THE_GUARANTEE, "the init weights (config.finetune.init)": f"see init_weights: {init['note']}"}
+    public_tokenizer = config.data.tokenizer == "gpt2"
+    if init is None:
+        given, outside = ([] if public_tokenizer else ["the tokenizer"]), OUTSIDE_THE_GUARANTEE
+    else:  # a fine-tuning run's tokenizer is its init's (jaxdp.finetune_job): as private or public as they are
+        given = ["the init weights" + ("" if public_tokenizer else " and their tokenizer")]
+        outside = {k: v for k, v in OUTSIDE_THE_GUARANTEE.items() if not k.startswith("tokenizer/")}
+        outside["the init weights (config.finetune.init)"] = f"see init_weights: {init['note']}"
+        if not public_tokenizer:
+            outside["tokenizer/ (the init's)"] = ("the init checkpoint's own tokenizer, not learned from this run's "
+                                                  "data: share it as the init weights' source allows")
     return {
         "dp": True,
         "guarantee": f"({epsilon:.6g}, {p.delta:.3g})-DP for adding or removing one training {unit}" + (
