@@ -89,7 +89,8 @@ class Tokenizer:
         d = pathlib.Path(directory)
         if not (d / "tokenizer.json").is_file():
             raise ValueError(f"no tokenizer.json in tokenizer directory {d}")
-        name, eot = re.sub(r"[^A-Za-z0-9._+-]", "_", d.resolve().name).lstrip("._+-")[:64] or "tokenizer", None
+        plain = re.sub(r"^[^A-Za-z0-9]+", "", re.sub(r"[^A-Za-z0-9._+-]", "_", d.resolve().name))
+        name, eot = plain[:64] or "tokenizer", None  # the directory's name, made a plain name
         meta_path, hf_path = d / "jaxdp_tokenizer.json", d / "tokenizer_config.json"
         try:
             if meta_path.is_file():

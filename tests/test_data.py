@@ -177,6 +177,10 @@ def test_hostile_tokenizer_directories_are_refused(bpe, tmp_path):
     plain.mkdir()
     bpe._tok.save(str(plain / "tokenizer.json"))  # an HF directory: no jaxdp_tokenizer.json
     assert data.Tokenizer.load(plain).name == "my_tok__v2_"
+    hidden = tmp_path / "_.tok"
+    hidden.mkdir()
+    bpe._tok.save(str(hidden / "tokenizer.json"))
+    assert data.Tokenizer.load(hidden).name == "tok"
     (plain / "tokenizer.json").write_text('{"model": 1}')
     with pytest.raises(ValueError, match="tokenizer.json is not a tokenizer HF tokenizers can read"):
         data.Tokenizer.load(plain)
