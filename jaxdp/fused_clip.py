@@ -344,10 +344,11 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
       store_budget_bytes: what `strategy="auto"` may hold in kept per-example
         gradients, in total; None: 1/4 of the device's memory where
         `jaxdp.device_rates` knows it, else `memory_budget_bytes`.
-      secure_noise: draw each noise value as the sum of 4 normals / 2 (Opacus'
-        `secure_mode` mitigation of floating-point attacks on the noise; four
-        draws instead of one). Use it when noisy sums (not only the final
-        model) are released: see `jaxdp.noise`, "Floating-point noise".
+      secure_noise: draw each noise value as the sum of 4 scaled normals / 2
+        (Opacus' `secure_mode`) and round the noisy sum to a grid of ~std / 2^8
+        (snapping): a mitigation of floating-point attacks on the noise, at four
+        draws instead of one. Use it when noisy sums (not only the final model)
+        are released: see `jaxdp.noise`, "Floating-point noise".
 
     Returns:
       An `optax.GradientTransformation`.

@@ -34,26 +34,37 @@ sigma times the sensitivity the clipping guarantees, which is C times
 rounding error of per-example norms; see `jaxdp.clipping`).
 
 Floating-point noise (Mironov 2012, "On significance of the least significant
-bits for differential privacy"). `jax.random.normal` maps 23 random bits to a
-float32, so one draw takes one of 2^23 values, a sparse subset of the floats it
-lands among. Whoever sees a noisy sum `s + n` exactly and knows `s` up to one
-example can test which candidate `s` leaves a difference among those values: on
-2^18 coordinates, sigma = 1, the other examples' sum of scale sigma, the true
-candidate's difference is attainable for 66% of coordinates, the other's for 15%
-(`tests/test_noise_and_accumulation.py::test_floating_point_noise_attack`), which
-tells them apart with certainty. `secure=True` draws each coordinate as the sum of
-`SECURE_DRAWS` = 4 normals scaled by 1/2 (the mitigation of Opacus' `secure_mode`,
-after Holohan & Braghin 2021, arXiv:2107.10138): the attainable values are then
-dense, and the test above finds nothing. It is a mitigation, not a floating-point
-proof, and it costs four draws (GPT-2 small, B 4, seq 1024, H100 prediction: +2.0 ms
-of 9.9). The pretraining job releases only the final parameters, from which the
-exact noisy sums cannot be read back; publish intermediate noisy sums only with
-`secure=True`.
+bits for differential privacy"). Whoever sees a released noisy sum y exactly
+and knows the sum up to one example can test each candidate sum s against y in
+float32 arithmetic, and two properties of float32 noise give the answer away:
+(1) `jax.random.normal` maps 23 random bits through erfinv, so one draw takes one
+of 2^23 values, a sparse subset of the floats near it: the true candidate leaves
+y - s among them on 66% of coordinates, the other on 15% (2^18 coordinates,
+sigma = 1, the other examples' sum as large as the noise;
+`tests/test_noise_and_accumulation.py::test_floating_point_noise_attack`);
+(2) where s and n cancel, fl32(s + n) is exact and finer than n's own grid, so a
+candidate for which no float32 n gives fl32(s + n) = y is ruled out, whatever
+the noise's distribution (attacker review 9: the wrong candidate ruled out on up
+to 7% of coordinates, the true one never). Either tells the candidates apart
+with certainty. `secure=True` closes both: each value is the sum of
+`SECURE_DRAWS` = 4 normals, each scaled by std before the sum (the mitigation of
+Opacus' `secure_mode`, after Holohan & Braghin 2021, arXiv:2107.10138; scaling
+after the sum left gaps of the multiplier's mantissa, up to 15% of the values
+near 1.4 std, review 9), and `release` rounds s + n to a power-of-two grid
+g in (std / 2^(SNAP_BITS+1), std / 2^SNAP_BITS] (Mironov's snapping), so y - s
+spans an interval holding many noise values for every candidate. The rounding
+moves each value by at most g / 2 <= std / 512, and the tests above find no
+difference between the candidates. It is a mitigation, not a floating-point
+proof, and it costs four draws (GPT-2 small, B 4, seq 1024, H100 prediction:
++2.0 ms of 9.9). The pretraining job releases only the final parameters, from
+which the exact noisy sums cannot be read back; publish intermediate noisy sums
+only with `secure=True`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 
 import jax
@@ -71,6 +82,7 @@ UNIT_WINDOWS = "unit_windows"  # which windows of each sampled document / user a
 
 _SEED_BITS = 128
 SECURE_DRAWS = 4  # normals summed per coordinate under secure=True (their sum / sqrt(4) is N(0, 1))
+SNAP_BITS = 8     # secure=True rounds the released sum to a grid of std / 2^8 .. std / 2^9
 
 
 def secret_seed() -> int:
@@ -154,8 +166,8 @@ def split_step_key(key: jax.Array, num_leaves: int) -> tuple[jax.Array, list[jax
 def gaussians(leaf_keys, leaves, std: float, shards=None, secure: bool = False) -> list[jax.Array]:
     """N(0, std^2) noise like each of `leaves` (arrays or ShapeDtypeStructs) from its key.
 
-    `secure`: each value is the sum of `SECURE_DRAWS` normals times std / sqrt(SECURE_DRAWS) (the module
-    docstring, "Floating-point noise").
+    `secure`: each value is the sum of `SECURE_DRAWS` normals, each times std, over sqrt(SECURE_DRAWS)
+    (the module docstring, "Floating-point noise"); add it with `release(..., secure=True)`.
 
     `shards[i]` (None, or a traced device index): leaf i is this device's block of a
     reduce-scattered gradient, drawn from `fold_in(leaf_keys[i], shards[i])`. Leaves of
@@ -176,9 +188,9 @@ def gaussians(leaf_keys, leaves, std: float, shards=None, secure: bool = False) 
         if not replicated:
             index = [shards[i] for i in members]
             keys = jax.vmap(jax.random.fold_in)(keys, jnp.stack(index))
-        if secure:
-            draws = jax.vmap(lambda k: jax.random.normal(k, (SECURE_DRAWS,) + shape, dtype).sum(0))(keys)
-            draws = draws * (std / SECURE_DRAWS ** 0.5)
+        if secure:  # each draw scaled before the sum: a product after it would leave gaps (module docstring)
+            draws = jax.vmap(lambda k: (jax.random.normal(k, (SECURE_DRAWS,) + shape, dtype) * std).sum(0))(keys)
+            draws = draws * (1 / SECURE_DRAWS ** 0.5)
         else:
             draws = std * jax.vmap(lambda k: jax.random.normal(k, shape, dtype))(keys)
         for j, i in enumerate(members):
@@ -186,11 +198,26 @@ def gaussians(leaf_keys, leaves, std: float, shards=None, secure: bool = False) 
     return out
 
 
+def snap_grid(std: float) -> float:
+    """The power of two `release(secure=True)` rounds to: in (std / 2^(SNAP_BITS+1), std / 2^SNAP_BITS]."""
+    return 2.0 ** (math.floor(math.log2(std)) - SNAP_BITS)
+
+
+def release(s: jax.Array, noise: jax.Array, std: float, secure: bool = False) -> jax.Array:
+    """The noisy sum as released: s + noise; under `secure`, rounded to the nearest multiple of
+    `snap_grid(std)` (values of magnitude >= 2^23 grid steps are multiples of it already)."""
+    y = s + noise
+    if not secure:
+        return y
+    g = snap_grid(std)
+    return jnp.where(jnp.abs(y) < 2.0**23 * g, jnp.round(y * (1 / g)) * g, y)
+
+
 def add_noise(tree, key: jax.Array, std: float, secure: bool = False):
     """(next key, `tree` + independent N(0, std^2) noise on every leaf); std = 0 adds nothing.
-    `secure`: see `gaussians`."""
+    `secure`: see `gaussians` and `release`."""
     leaves, treedef = jax.tree.flatten(tree)
     key, leaf_keys = split_step_key(key, len(leaves))
     if std > 0:
-        leaves = [s + n for s, n in zip(leaves, gaussians(leaf_keys, leaves, std, secure=secure))]
+        leaves = [release(s, n, std, secure) for s, n in zip(leaves, gaussians(leaf_keys, leaves, std, secure=secure))]
     return key, jax.tree.unflatten(treedef, leaves)

@@ -78,7 +78,7 @@ def get_config() -> config_dict.ConfigDict:
     c.dp.strategy = "auto"               # "auto" | "ghost" | "instantiate" | "store" | "pallas"; "reference": vmap baseline
     c.dp.method = "bookkeeping"          # "bookkeeping" (one backward) | "two_pass" (norms, then a clip-weighted backward; flat only)
     c.dp.overflow = "truncate"           # Poisson draw above max_batch_size: "truncate" | "resample" | "error"
-    c.dp.secure_noise = False            # True: each noise value the sum of 4 normals / 2 (Opacus' secure_mode
-                                         # against floating-point attacks on released noisy sums; 4 draws)
+    c.dp.secure_noise = False            # True: noise of 4 draws per value and the noisy sum snapped to a grid
+                                         # (against floating-point attacks on released noisy sums; jaxdp.noise)
     c.lock()
     return c

@@ -155,7 +155,7 @@ class ShardedDPStep:
 
     `key`: the noise PRNG key of `init`'s state; None (the default) draws one
     from the operating system's entropy (`jaxdp.noise.secret_key`). `secure_noise`: as
-    `jaxdp.fused_clip`'s (each noise value the sum of 4 normals / 2).
+    `jaxdp.fused_clip`'s (4 draws per noise value, the noisy sum snapped to a grid).
 
     `loss_fn(model, batch) -> losses (B,)`. On a mesh with seq > 1 (context
     parallelism) the step calls `loss_fn(model, batch, seq_axis=SEQ)` on each
@@ -268,7 +268,7 @@ class ShardedDPStep:
                 shards.append(jax.lax.axis_index(DATA))
         if self.noise_std > 0:
             noise = noise_lib.gaussians(leaf_keys, reduced, self.noise_std, shards, secure=self.secure_noise)
-            reduced = [s + n for s, n in zip(reduced, noise)]
+            reduced = [noise_lib.release(s, n, self.noise_std, self.secure_noise) for s, n in zip(reduced, noise)]
         out = [s / self.expected_batch_size for s in reduced]
         return losses, jax.tree.unflatten(treedef, out)
 

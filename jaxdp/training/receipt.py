@@ -119,8 +119,9 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
             "normalisation": "the noisy sum of clipped gradients divided by the expected batch size "
                              f"{config.batch_size}, never by the realised batch size",
             "noise_added": "once per logical batch (accumulation over micro-batches adds none)",
-            "noise_sampler": ("each value the sum of 4 float32 normals / 2 (Opacus' secure_mode mitigation of "
-                              "floating-point attacks; a mitigation, not a proof)" if dp.secure_noise else
+            "noise_sampler": ("each value the sum of 4 float32 normals scaled by the std, / 2 (Opacus' secure_mode), "
+                              "the noisy sum rounded to a grid of ~std / 2^8 (snapping): a mitigation of "
+                              "floating-point attacks, not a proof" if dp.secure_noise else
                               "one float32 normal per value (23 random bits: attackable by whoever sees an exact "
                               "noisy sum; this run releases only the final parameters; README)"),
         },
