@@ -58,7 +58,10 @@ difference between the candidates. It is a mitigation, not a floating-point
 proof, and it costs four draws (GPT-2 small, B 4, seq 1024, H100 prediction:
 +2.0 ms of 9.9). The pretraining job releases only the final parameters, from
 which the exact noisy sums cannot be read back; publish intermediate noisy sums
-only with `secure=True`.
+only with `secure=True`. Not covered either way: the bits come from XLA's
+RngBitGenerator (Philox), a statistical generator, not a cryptographic one
+(Opacus' `secure_mode` draws from a CSPRNG); its 128-bit key is secret and the
+attacks above never see a noise value exactly once `secure=True` snaps the sum.
 """
 
 from __future__ import annotations
