@@ -275,6 +275,15 @@ def test_secure_noise_reaches_the_noise():
     assert attainable(updates[True] - clean, values) < 0.3
     with pytest.raises(TypeError, match="secure_noise"):
         jaxdp.fused_clip(C, sigma, expected_batch_size=1.0, secure_noise="yes")
+    # A bf16 leaf (attacker review 10): drawn, added and snapped in float32, then cast; a std whose grid
+    # would overflow float32 is refused.
+    bf16 = jax.ShapeDtypeStruct((1 << 16,), jnp.bfloat16)
+    (drawn,) = jaxdp.noise.gaussians([fresh_key()], [bf16], 1.0, secure=True)
+    assert drawn.dtype == jnp.float32 and np.unique(np.asarray(drawn)).size > 60_000
+    _, released = jaxdp.noise.add_noise(jnp.ones(bf16.shape, jnp.bfloat16), fresh_key(), 1.0, True)
+    assert released.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match=r"secure noise needs a noise std >= 2\*\*-100"):
+        jaxdp.noise.add_noise(jnp.ones(4), fresh_key(), 1e-37, True)
 
     class One(nnx.Module):
         def __init__(self):
