@@ -57,9 +57,9 @@ moves a value by at most g / 2 <= std / 512 beyond float32's own rounding of
 s + n, and the tests above find no difference between the candidates (nor did
 attacker review 10: exclusion, likelihood and held-out tests matched the ideal
 snapped mechanism on every DP path; noise for a bf16 leaf is drawn and added in
-float32, as its ~4,000 bf16 values leaked 10% more than ideal). It is a mitigation, not a floating-point
-proof, and it costs four draws (GPT-2 small, B 4, seq 1024, H100 prediction:
-+2.0 ms of 9.9). The pretraining job releases only the final parameters, from
+float32, as its ~4,000 bf16 values leaked 10% more than ideal). It is a
+mitigation, not a floating-point proof, and it costs four draws (GPT-2 small,
+B 4, seq 1024, H100 prediction: +2.0 ms of 9.9). The pretraining job releases only the final parameters, from
 which the exact noisy sums cannot be read back; publish intermediate noisy sums
 only with `secure=True`. Not covered either way: the bits come from XLA's
 RngBitGenerator (Philox), a statistical generator, not a cryptographic one
@@ -172,8 +172,9 @@ def split_step_key(key: jax.Array, num_leaves: int) -> tuple[jax.Array, list[jax
 def gaussians(leaf_keys, leaves, std: float, shards=None, secure: bool = False) -> list[jax.Array]:
     """N(0, std^2) noise like each of `leaves` (arrays or ShapeDtypeStructs) from its key.
 
-    `secure`: each value is the sum of `SECURE_DRAWS` normals, each times std, over sqrt(SECURE_DRAWS)
-    (the module docstring, "Floating-point noise"); add it with `release(..., secure=True)`.
+    `secure`: each value is the sum of `SECURE_DRAWS` normals, each times std, over sqrt(SECURE_DRAWS),
+    in at least float32 (the module docstring, "Floating-point noise"); add it with
+    `release(..., secure=True)`.
 
     `shards[i]` (None, or a traced device index): leaf i is this device's block of a
     reduce-scattered gradient, drawn from `fold_in(leaf_keys[i], shards[i])`. Leaves of
