@@ -104,8 +104,8 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> LlamaCon
                        n_layer=need("num_hidden_layers"), n_head=n_head,
                        n_kv_head=need("num_key_value_heads") if hf.get("num_key_value_heads") else n_head,
                        d_model=d, d_ff=need("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
-                       rms_norm_eps=cfg.positive("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                       **overrides)
+                       rms_norm_eps=cfg.positive("rms_norm_eps", 1e-6),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **overrides)
 
 
 def config_to_hf(config: LlamaConfig) -> dict:
