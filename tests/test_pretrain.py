@@ -79,16 +79,7 @@ def tiny_cli_overrides(corpus, workdir, **extra):
     return d
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compilation_cache(tmp_path_factory):
-    """CLI subprocesses share compiled programs through JAX's persistent cache."""
-    global _CLI_ENV
-    _CLI_ENV = dict(os.environ, JAX_PLATFORMS="cpu",
-                    JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
-                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-
-
-_CLI_ENV = None
+_CLI_ENV = dict(os.environ, JAX_PLATFORMS="cpu")  # the session's compilation cache: tests/conftest.py
 
 
 def run_cli(args, module="experiments.pretrain_gpt2", **kw):

@@ -11,7 +11,6 @@ the workdir is touched.
 import json
 
 import pytest
-from test_pretrain import _compilation_cache  # noqa: F401  (the environment of run_cli's subprocesses)
 from test_pretrain import assert_first_metrics_equal, run_cli, tiny_config, write_tiny_corpus
 
 from experiments.configs import default, llama_tiny
