@@ -142,6 +142,8 @@ class TokenWindows:
       num_tokens: length of the cached token stream.
       tokens: the memory-mapped 1-D token stream.
       cache_path: path of the `.npy` cache file.
+      data_key: SHA-256 (hex) of the documents, their ids, the tokenizer and the split: what a resumed
+        run checks it still trains on (private: a hash of the text).
       from_cache: True when this instance reused an existing cache file.
     """
 
@@ -167,6 +169,7 @@ class TokenWindows:
         split_docs = [documents[i] for i in chosen]
 
         key = _cache_key(documents, ids, tokenizer, split, validation_fraction)
+        self.data_key = key
         cache = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cache_path = cache / f"{check_name(tokenizer.name)}-{split}-{key[:20]}.npy"  # a file in `cache`
         loaded = _try_load(self.cache_path, len(split_docs))

@@ -99,7 +99,8 @@ def test_errors_name_the_argument(kwargs, name):
 
 
 def test_audit_is_recorded_in_the_receipt(correct, sigma, tmp_path):
-    """The lower bound goes into a DP run's privacy.json; a planted-bug audit or a non-DP receipt is refused."""
+    """The lower bound goes into a DP run's privacy.json; a planted-bug or noiseless audit, or a non-DP
+    receipt, is refused."""
     receipt.write_privacy_receipt(tmp_path, {"dp": True, "epsilon": 1.5, "audit_lower_bound": None})
     receipt.record_audit(tmp_path, correct, "white_box")
     written = json.loads((tmp_path / receipt.PRIVACY_FILE).read_text())
@@ -108,6 +109,10 @@ def test_audit_is_recorded_in_the_receipt(correct, sigma, tmp_path):
     assert written["audit"]["kind"] == "white_box" and written["audit"]["num_canaries"] == 2000
     with pytest.raises(ValueError, match="planted bug"):
         receipt.record_audit(tmp_path, dataclasses.replace(correct, bug="half_noise"), "white_box")
+    # Attacker review 11: a noiseless audit (claimed epsilon inf) on private data went into the receipt.
+    with pytest.raises(ValueError, match="noise_multiplier 0 .*without a finite claim"):
+        receipt.record_audit(tmp_path, dataclasses.replace(correct, noise_multiplier=0.0,
+                                                            claimed_epsilon=float("inf")), "white_box")
     receipt.write_privacy_receipt(tmp_path, {"dp": False})
     with pytest.raises(ValueError, match="non-DP"):
         receipt.record_audit(tmp_path, correct, "white_box")

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import pytest
 from flax import nnx
 
 from experiments.configs import default
-from jaxdp import noise, training
+from jaxdp import noise, sampling, training
 from jaxdp.training import run_dir
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -158,6 +159,10 @@ def test_privacy_receipt_states_what_ran_and_holds_no_secret(reference_run):
     assert m["noise_multiplier"] == summary["noise_multiplier"] and m["l2_norm_clip"] == 1.0
     assert smp["sampling_probability"] == summary["sampling_probability"]
     assert smp["max_batch_size"] == summary["max_batch_size"] and smp["overflow"] == "truncate"
+    # the slack note says what this run's overflow mode does (it said "truncated" for every mode)
+    assert smp["slack_note"].startswith("a draw above max_batch_size is truncated")
+    assert set(receipt._OVERFLOW_NOTE) == set(sampling.OVERFLOW_MODES)
+    assert any(k.startswith("samples.txt") for k in r["outside_the_guarantee"])  # decoded by a trained bpe
     text = (workdir / receipt.PRIVACY_FILE).read_text()
     root = run_dir.Checkpointer(workdir / "checkpoints")
     meta = root.restore_meta(root.latest_step())
@@ -329,6 +334,40 @@ def test_rerunning_a_finished_run_changes_nothing(reference_run, corpus):
     again = training.train(tiny_config(corpus, workdir), verbose=False)
     assert (workdir / "metrics.jsonl").read_bytes() == before
     assert again["val_loss"] == summary["val_loss"] and again["epsilon"] == summary["epsilon"]
+
+
+def test_resume_must_continue_the_mechanism_its_accountant_counted(tmp_path):
+    """Attacker review 11: a resume restored the checkpoint's accountant (sigma, q of the first start) but
+    ran the sigma and q of the data and config on disk now, and privacy.json stated the new ones: a
+    corpus cut from 12 to 3 documents mid-run was accounted at the old q (epsilon 0.21 stated, 1.11 ran).
+    Now every checkpoint keeps the mechanism, and a resume that does not reproduce it is refused; so is a
+    finished run whose checkpoints were deleted (a rerun would spend the budget again)."""
+    corpus = write_tiny_corpus(tmp_path)
+    workdir = tmp_path / "run"
+    assert training.train(tiny_config(corpus, workdir), interrupt_after=3, verbose=False) == {"interrupted_at": 3}
+    kept = run_dir.latest_checkpoint_meta(workdir / "checkpoints")["mechanism"]
+    assert kept["noise_multiplier"] > 0 and kept["num_units"] > 0 and len(kept["train_data"]) == 64
+    original = corpus.read_text()
+    corpus.write_text("".join(original.splitlines(keepends=True)[:3]))  # the data shrank under the run
+    with pytest.raises(training.ConfigError, match="another mechanism.*num_units.*sampling_probability"):
+        training.prepare(tiny_config(corpus, workdir))
+    corpus.write_text(original.replace("the", "thy", 1))  # same N, other text
+    with pytest.raises(training.ConfigError, match="another mechanism.*train_data"):
+        training.prepare(tiny_config(corpus, workdir))
+    corpus.write_text(original)
+    (workdir / "config.json").unlink()  # without config.json's check, the checkpoint's still holds
+    with pytest.raises(training.ConfigError, match="another mechanism.*config.batch_size: 8 -> 12"):
+        training.prepare(tiny_config(corpus, workdir, batch_size=12))
+    p = training.prepare(tiny_config(corpus, workdir))
+    assert p.noise_multiplier == kept["noise_multiplier"]
+    training.train(tiny_config(corpus, workdir), verbose=False)  # resumes and finishes
+    receipt = json.loads((workdir / "privacy.json").read_text())
+    assert receipt["mechanism"]["noise_multiplier"] == kept["noise_multiplier"]
+    assert receipt["sampling"]["sampling_probability"] == kept["sampling_probability"]
+    shared = tmp_path / "shared"  # the directory as shared: checkpoints/ removed (README: private)
+    shutil.copytree(workdir, shared, ignore=shutil.ignore_patterns("checkpoints"))
+    with pytest.raises(training.ConfigError, match="finished run's outputs .* but no checkpoint"):
+        training.prepare(tiny_config(corpus, shared))
 
 
 def test_budget_stops_before_exceeding_target(corpus, tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ from jaxdp import noise as noise_lib
 from jaxdp.privacy_budget import BudgetTracker
 from jaxdp.training.config import build_model, runs_sharded_step
 from jaxdp.training.generation import write_samples
-from jaxdp.training.preparation import Prepared, prepare
+from jaxdp.training.preparation import Prepared, mechanism, prepare
 from jaxdp.training.receipt import privacy_receipt, write_privacy_receipt
 from jaxdp.training.run_dir import (
     CHECKPOINT_DIR,
@@ -85,7 +85,8 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     p = prepared or prepare(config, progress=data_lib.stderr_progress if verbose else None)
     if p.seed_pinned:
         log("config.seed is pinned: the privacy guarantee assumes this seed is secret "
-            "(it reproduces the noise and the batches)", verbose)
+            "(it reproduces the noise and the batches) and is never pinned for another released run "
+            "(two runs with one seed share their noise)", verbose)
     _open_run_dir(p)  # from here on the workdir is written
     model, optimizer, tracker = _build(config, p)
     checkpointer = Checkpointer(p.workdir / CHECKPOINT_DIR)
@@ -352,4 +353,4 @@ def _write_outputs(config, p: Prepared, model, rows, summary: dict, last: int) -
 def _meta(step: int, tracker, p: Prepared) -> dict:
     """The checkpoint's JSON: the private part of the run directory, the only place of the root seed."""
     return {"step": step, "accountant": tracker.state_dict() if tracker is not None else None,
-            "root_seed": p.root_seed, "seed_pinned": p.seed_pinned}
+            "root_seed": p.root_seed, "seed_pinned": p.seed_pinned, "mechanism": mechanism(p)}

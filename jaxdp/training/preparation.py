@@ -18,6 +18,16 @@ only in the checkpoints' meta (the private part of the run directory), and a
 resume reads it from there: `config.json` records only whether it was pinned.
 A run killed before its first checkpoint starts again with a fresh root
 (nothing covered by the guarantee was released).
+
+What a resume continues (`mechanism`). Every checkpoint's meta also keeps the
+mechanism the run's accountant counts: the run-defining config, the training
+data's key (SHA-256 of the corpus, ids, tokenizer and split), N, q, the padded
+batch, sigma, delta and its split. A resume must reproduce it from the config
+and the data on disk now, or `prepare` refuses (`ConfigError` naming each field
+that changed), and then runs on the kept floats, so the steps after a resume are
+the mechanism the restored accountant counts. A directory whose run finished
+(`model/` or `summary.json`) but lost its checkpoints is refused: a new run
+there would spend the data's budget again under the same receipt.
 """
 
 from __future__ import annotations
@@ -56,7 +66,14 @@ from jaxdp.training.config import (
     runs_sharded_step,
     validate_config,
 )
-from jaxdp.training.run_dir import CHECKPOINT_DIR, CONFIG_FILE, TOKENIZER_DIR, latest_checkpoint_meta
+from jaxdp.training.run_dir import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    MODEL_DIR,
+    SUMMARY_FILE,
+    TOKENIZER_DIR,
+    latest_checkpoint_meta,
+)
 
 
 # ------------------------------------------------------------------ preparation (no writes)
@@ -107,7 +124,12 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
         docs, ids = data_lib.load_corpus(config.data.path, id_field=config.data.id_field)
     except ValueError as e:
         raise ConfigError(f"config.data.path: {e}") from None
-    root_seed, seed_pinned = _root_seed(config, workdir)
+    meta = latest_checkpoint_meta(workdir / CHECKPOINT_DIR)
+    _require(meta is not None or not any((workdir / f).exists() for f in (MODEL_DIR, SUMMARY_FILE)),
+             f"workdir {workdir} holds a finished run's outputs ({MODEL_DIR}/, {SUMMARY_FILE}) but no checkpoint: "
+             "a new run there would spend the data's privacy budget again under the same receipt; pass a new "
+             "--config.workdir")
+    root_seed, seed_pinned = _root_seed(config, workdir, meta)
     cfg_json["seed"] = PINNED_SEED if seed_pinned else None  # never the seed itself
     saved = workdir / CONFIG_FILE
     if saved.is_file():
@@ -179,12 +201,53 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     m = valid.num_windows
     eval_indices = np.unique(np.linspace(0, m - 1, min(m, config.eval_windows)).astype(np.int64))
     mc = model_config(config.model, tokenizer.vocab_size, dtype=config.dtype, remat=config.remat)
-    return Prepared(config=config, config_json=cfg_json, workdir=workdir, tokenizer=tokenizer, train=train,
-                    valid=valid, model_config=mc, sampler=sampler, accumulation_steps=k, noise_multiplier=sigma,
-                    pld_interval=pld_interval,
-                    eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
-                    delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
-                    max_batch_size_from=max_batch_size_from)
+    p = Prepared(config=config, config_json=cfg_json, workdir=workdir, tokenizer=tokenizer, train=train,
+                 valid=valid, model_config=mc, sampler=sampler, accumulation_steps=k, noise_multiplier=sigma,
+                 pld_interval=pld_interval,
+                 eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
+                 delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
+                 max_batch_size_from=max_batch_size_from)
+    return p if meta is None else _continued(p, meta)
+
+
+# The floats computed from the inputs (calibration, tail sums): a resume runs on the checkpoint's.
+_DERIVED = ("noise_multiplier", "delta_mechanism", "sampling_slack", "pld_interval")
+
+
+def mechanism(p: Prepared) -> dict:
+    """What the run's guarantee rests on, as JSON: kept in every checkpoint's meta and checked on resume."""
+    return {**{f"config.{k}": v for k, v in _run_defining(p.config_json).items()},
+            "train_data": p.train.data_key, "num_units": p.sampler.num_examples,
+            "sampling_probability": p.sampler.sampling_probability, "max_batch_size": p.sampler.max_batch_size,
+            "delta": p.delta, **{k: getattr(p, k) for k in _DERIVED}}
+
+
+def _continued(p: Prepared, meta: dict) -> Prepared:
+    """`p` resuming the run of checkpoint `meta`: refused unless it reproduces the kept mechanism, then
+    with the kept floats (within 1e-9 of the fresh ones), which the restored accountant counts."""
+    kept = meta.get("mechanism")
+    _require(kept is not None, f"the checkpoint in {p.workdir} keeps no mechanism (written before resumes were "
+                               "checked); pass a new --config.workdir to start another run")
+    now = mechanism(p)
+    diff = [k for k in sorted(set(kept) | set(now)) if not _same(kept.get(k), now.get(k))]
+    if diff:
+        changes = "; ".join(f"{k}: {_short(kept.get(k))} -> {_short(now.get(k))}" for k in diff[:6])
+        raise ConfigError(
+            f"workdir {p.workdir} holds a run whose accountant counted another mechanism than this config and "
+            f"data give now ({changes}{'; ...' if len(diff) > 6 else ''}): resuming would account the new "
+            "steps as the old mechanism; restore the config and the data, or pass a new --config.workdir")
+    return dataclasses.replace(p, **{k: kept[k] for k in _DERIVED})
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+    return a == b
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _noise_multiplier(config, q: float, delta: float) -> tuple[float, float]:
@@ -251,9 +314,9 @@ def plan_accumulation(config, max_batch_size: int, vocab_size: int, *, progress:
 PINNED_SEED = "pinned (kept in the checkpoint)"  # config.json's `seed` when config.seed was set
 
 
-def _root_seed(config, workdir: pathlib.Path) -> tuple[int, bool]:
-    """(the run's root seed, whether it was pinned): the latest checkpoint's, else config.seed, else fresh."""
-    meta = latest_checkpoint_meta(workdir / CHECKPOINT_DIR)
+def _root_seed(config, workdir: pathlib.Path, meta: dict | None) -> tuple[int, bool]:
+    """(the run's root seed, whether it was pinned): the latest checkpoint's (`meta`), else config.seed, else
+    fresh."""
     if meta is not None:
         _require("root_seed" in meta, f"the checkpoint in {workdir} has no root seed (written before seeds were "
                                       "secret); pass a new --config.workdir to start another run")

@@ -16,6 +16,7 @@ It holds no secret (no seed, key or loss) and may be shared; like
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
 from jaxdp import noise as noise_lib
@@ -34,6 +35,13 @@ def _unit_note(config) -> str:
     return f"{who}; clipping bounds the summed gradient of the up to {k} windows it gives a step"
 
 
+_OVERFLOW_NOTE = {  # config.dp.overflow: what a draw above max_batch_size does (jaxdp.sampling)
+    "truncate": "a draw above max_batch_size is truncated to a uniformly random max_batch_size of its units",
+    "resample": "a draw above max_batch_size is redrawn until it fits (Poisson conditioned on fitting)",
+    "error": "a draw above max_batch_size stops the run with an error (a rerun with a new seed is another draw, "
+             "to be paid for too)",
+}
+
 OUTSIDE_THE_GUARANTEE = {
     "metrics.jsonl, loss.png, summary.json, stderr": "noiseless training loss on private batches, "
                                                       "validation loss (and a fine-tuning run's held-out "
@@ -43,6 +51,8 @@ OUTSIDE_THE_GUARANTEE = {
                                      "holds given the tokenizer: removing a unit can change the vocabulary "
                                      "and so how every other unit is tokenised (use data.tokenizer='gpt2' "
                                      "or one trained on public text)",
+    "samples.txt (with a trained bpe<N>)": "decoded through that tokenizer's vocabulary, strings learned from "
+                                           "the private text: share samples.txt only with the tokenizer",
     "privacy.json, epsilon.png (sampling_probability)": "q = batch_size / N, with config.json's batch_size, "
                                                         "gives N: the number of units (users) in the data",
     "the token cache (config.data.cache_dir)": "the private text's tokens",
@@ -136,8 +146,8 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
             "overflow": dp.overflow,
             "overflow_probability": sampler.overflow_probability,
             "overflowed_steps_this_process": overflowed_steps,
-            "slack_note": "a draw above max_batch_size is truncated; its probability is paid inside delta "
-                          "as (1 + e^epsilon) x steps x overflow_probability",
+            "slack_note": _OVERFLOW_NOTE[dp.overflow] + "; the probability that any step overflows is paid "
+                          "inside delta as (1 + e^epsilon) x steps x overflow_probability",
         },
         "randomness": ("config.seed pinned: the guarantee assumes the seed is secret" if p.seed_pinned else
                        "a 128-bit root seed from the operating system, kept only in checkpoints/"),
@@ -160,6 +170,11 @@ def record_audit(workdir, result, kind: str) -> dict:
     path = pathlib.Path(workdir, PRIVACY_FILE)
     if not path.exists():
         raise ValueError(f"no {PRIVACY_FILE} in {str(workdir)!r}: record an audit in a DP run's workdir")
+    if not (result.noise_multiplier > 0 and math.isfinite(result.claimed_epsilon)):
+        raise ValueError(f"the audit ran with noise_multiplier {result.noise_multiplier:g} (claimed epsilon "
+                         f"{result.claimed_epsilon:g}): an audit without a finite claim checks no guarantee, "
+                         "and a noiseless run on private data is not private; only an audit with noise goes "
+                         "into a receipt")
     if result.bug != "none":
         raise ValueError(f"an audit with a planted bug ({result.bug!r}) audits the bug, not this code: "
                          "only an audit with bug='none' goes into a receipt")
@@ -179,7 +194,9 @@ def record_audit(workdir, result, kind: str) -> dict:
         "delta": result.delta,
         "num_canaries": a.num_canaries,
         "note": "a separate run of the same DP step with canaries (Steinke, Nasr & Jagielski 2023): a lower "
-                "bound above its claimed_epsilon is evidence of a privacy bug; one below proves nothing",
+                "bound above its claimed_epsilon is evidence of a privacy bug; one below proves nothing. If the "
+                "audit trained on this run's private data, the two runs compose: add claimed_epsilon to "
+                "epsilon",
     }
     write_privacy_receipt(workdir, receipt)
     return receipt
