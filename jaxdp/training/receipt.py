@@ -94,11 +94,12 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         given, outside = ([] if public_tokenizer else ["the tokenizer"]), OUTSIDE_THE_GUARANTEE
     else:  # a fine-tuning run's tokenizer is its init's (jaxdp.finetune_job): as private or public as they are
         given = ["the init weights" + ("" if public_tokenizer else " and their tokenizer")]
-        outside = {k: v for k, v in OUTSIDE_THE_GUARANTEE.items() if not k.startswith("tokenizer/")}
+        outside = {k: v for k, v in OUTSIDE_THE_GUARANTEE.items() if not k.startswith(("tokenizer/", "samples.txt"))}
         outside["the init weights (config.finetune.init)"] = f"see init_weights: {init['note']}"
         if not public_tokenizer:
             outside["tokenizer/ (the init's)"] = ("the init checkpoint's own tokenizer, not learned from this run's "
-                                                  "data: share it as the init weights' source allows")
+                                                  "data: share it, and samples.txt decoded through it, as the init "
+                                                  "weights' source allows")
     return {
         "dp": True,
         "guarantee": f"({epsilon:.6g}, {p.delta:.3g})-DP for adding or removing one training {unit}" + (
