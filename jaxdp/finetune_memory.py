@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxdp import finetune, nn, noise
+from jaxdp import finetune, losses, nn, noise
 from jaxdp.fused_clip import fused_clip
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.per_example import per_example_grads
@@ -53,8 +53,7 @@ class StepMemory:
 
 def lm_losses(model, batch) -> jax.Array:
     """Per-example mean next-token NLL (B,), zero for masked examples."""
-    logits_BTV = model(batch["tokens"][:, :-1])
-    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["tokens"][:, 1:])
+    nll_BT = losses.token_nll(model, batch["tokens"][:, :-1], batch["tokens"][:, 1:])
     return jnp.where(batch["mask"], nll_BT.mean(axis=-1), 0.0)
 
 

@@ -10,6 +10,11 @@ so causal attention keeps them out of the real positions.
 `completion_losses(marker)` counts only the targets after the last occurrence
 of a token sequence in the window (the label after a prompt: a completion-only
 loss, as in instruction tuning); a window without the marker has no target.
+
+A frozen head (fine-tuning: every `jaxdp.finetune` method but full) runs over
+chunks of tokens (`token_nll`): each chunk's logits are recomputed in the
+backward, so the (B, T, V) float32 logits and their gradient never exist
+whole (GPT-2 large, B 32, T 128: 0.82 GB each).
 """
 
 from __future__ import annotations
@@ -73,12 +78,40 @@ def _after_last(tokens_BT1: jax.Array, marker: tuple[int, ...]) -> jax.Array:
 
 def _mean_nll(model: nnx.Module, tokens_BT1: jax.Array, mask_B: jax.Array, counted_BT: jax.Array) -> jax.Array:
     """Mean NLL over each window's counted targets (0 with none), 0 where `mask_B` is False."""
-    targets_BT = tokens_BT1[:, 1:]
-    logits_BTV = model(jnp.maximum(tokens_BT1[:, :-1], 0))
-    nll_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, jnp.maximum(targets_BT, 0))
+    nll_BT = token_nll(model, jnp.maximum(tokens_BT1[:, :-1], 0), jnp.maximum(tokens_BT1[:, 1:], 0))
     per_example = (jnp.where(counted_BT, nll_BT, 0.0).astype(jnp.float32).sum(axis=-1)
                    / jnp.maximum(counted_BT.sum(axis=-1), 1))
     return jnp.where(mask_B, per_example, 0.0)
+
+
+HEAD_CHUNK_BYTES = 2**27  # float32 logits of one chunk of a frozen head: 128 MiB (667 tokens at V = 50,257)
+
+
+def token_nll(model: nnx.Module, inputs_BT: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """(B, T) next-token NLL of `targets_BT` (ids in [0, V)) after `inputs_BT`.
+
+    A model whose head is frozen (`model.frozen_head()` not None) gives its features once, and the head and
+    the softmax run over chunks of HEAD_CHUNK_BYTES / (4 V) tokens under `jax.checkpoint` (recomputed in
+    the backward): one GEMM of the head more per step, and the peak holds one chunk's logits. The chunks
+    mix tokens of several examples, but each token's NLL reads only its own features, so per-example
+    gradients are unchanged. Otherwise the plain float32 logits.
+    """
+    head = getattr(model, "frozen_head", lambda: None)()
+    if head is None:
+        return optax.softmax_cross_entropy_with_integer_labels(model(inputs_BT), targets_BT)
+    h_BTD = model.features(inputs_BT)
+    (B, T, D), V = h_BTD.shape, jax.eval_shape(head, h_BTD[:1, :1]).shape[-1]
+    n = B * T
+    chunk = min(n, max(1, HEAD_CHUNK_BYTES // (4 * V)))
+    pad = -n % chunk
+    h_KCD = jnp.pad(h_BTD.reshape(n, D), ((0, pad), (0, 0))).reshape(-1, chunk, D)
+    t_KC = jnp.pad(targets_BT.reshape(n), (0, pad)).reshape(-1, chunk)
+
+    @jax.checkpoint
+    def chunk_nll(args):
+        h_CD, t_C = args
+        return optax.softmax_cross_entropy_with_integer_labels(head(h_CD[None])[0], t_C)
+    return jax.lax.map(chunk_nll, (h_KCD, t_KC)).reshape(-1)[:n].reshape(B, T)
 
 
 def cp_lm_losses(model: nnx.Module, batch, seq_axis: str | None = None) -> jax.Array:

@@ -5,17 +5,16 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 import jaxdp
+import jaxdp.losses
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 
 
 def lm_loss(model, batch):
     """Per-example mean next-token NLL, zero for masked (padding) examples."""
-    logits = model(batch["tokens"][:, :-1])
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
+    nll = jaxdp.losses.token_nll(model, batch["tokens"][:, :-1], batch["tokens"][:, 1:])  # frozen head: chunks
     return jnp.where(batch["mask"], nll.mean(axis=-1), 0.0)
 
 

@@ -12,9 +12,11 @@ import pytest
 from flax import nnx
 
 import jaxdp
+import jaxdp.losses
 from jaxdp import finetune
 from dp_testing import by_path, lm_batch, lm_loss
 from jaxdp.models.gpt2 import GPT2, GPT2Config
+from jaxdp.models.llama import Llama, LlamaConfig
 
 RTOL = 1e-5  # float32, highest matmul precision
 METHOD_KWARGS = dict(rank=4, alpha=8.0, bottleneck=8, prompt_length=3, side_reduction=8)
@@ -41,6 +43,15 @@ def prepared(method, seed):
     """A one-block tiny GPT-2 fine-tuned by `method`, random parameters."""
     return random_model(lambda: finetune.prepare(GPT2(tiny_config(), rngs=nnx.Rngs(seed)), method,
                                                  rngs=nnx.Rngs(seed + 1), **METHOD_KWARGS), seed)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_head_in_chunks_of_7_tokens():
+    """A frozen head runs over chunks of tokens (`jaxdp.losses.token_nll`): 7 tokens a chunk here, so the
+    B 5 x T 12 batches take 9 chunks, the last one padded, and the reference's single examples 2."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jaxdp.losses, "HEAD_CHUNK_BYTES", 4 * 97 * 7)
+        yield
 
 
 def plant(per_example):
@@ -91,6 +102,38 @@ def rel_err(actual, expected):
     """max over parameters of max|a - e| / max|e|."""
     assert actual.keys() == expected.keys(), set(actual) ^ set(expected)
     return max(np.abs(actual[p] - expected[p]).max() / np.abs(expected[p]).max() for p in expected)
+
+
+@fast_jit
+def plain_and_chunked_head(graphdef, state, tokens):
+    """(loss, gradient) of the summed NLL through the plain head and through `token_nll`'s chunks."""
+    def plain(model):
+        return optax.softmax_cross_entropy_with_integer_labels(model(tokens[:, :-1]), tokens[:, 1:]).sum()
+
+    def chunked(model):
+        return jaxdp.losses.token_nll(model, tokens[:, :-1], tokens[:, 1:]).sum()
+    model = nnx.merge(graphdef, state)
+    return nnx.value_and_grad(plain)(model), nnx.value_and_grad(chunked)(model)
+
+
+@pytest.mark.parametrize("method", ["bitfit", "side", "reversible", "llama_lora"])
+def test_frozen_head_in_chunks_equals_the_plain_head(method):
+    """The chunked frozen head (each chunk's logits recomputed in the backward; 7 tokens a chunk here) gives
+    the plain head's NLL and gradients; the planted error (one chunk's targets shifted) does not."""
+    if method == "llama_lora":
+        config = LlamaConfig.preset("tiny", vocab_size=97, seq_len=32, tie_embeddings=False)
+        model = random_model(lambda: finetune.prepare(Llama(config, rngs=nnx.Rngs(0)), "lora", rngs=nnx.Rngs(1),
+                                                      **METHOD_KWARGS), seed=3)
+    else:
+        model = prepared(method, seed=len(method))
+    assert model.frozen_head() is not None
+    tokens = lm_batch(seed=4, B=5, T=12)["tokens"]
+    (plain, g_plain), (chunked, g_chunked) = plain_and_chunked_head(*nnx.split(model), tokens)
+    np.testing.assert_allclose(chunked, plain, rtol=RTOL)
+    assert rel_err(numpy_by_path(g_chunked), numpy_by_path(g_plain)) <= RTOL
+    planted = tokens.at[0, 3].set((tokens[0, 3] + 1) % 97)
+    (_, g_planted), _ = plain_and_chunked_head(*nnx.split(model), planted)
+    assert rel_err(numpy_by_path(g_chunked), numpy_by_path(g_planted)) > 10 * RTOL
 
 
 @pytest.mark.parametrize("method", ["lora", "adapter", "bitfit", "prompt", "side"])

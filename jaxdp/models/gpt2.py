@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -146,11 +147,15 @@ class GPT2(nnx.Module):
         self.soft_prompt = nnx.data(None)  # prompt tuning: a jaxdp.nn.SoftPrompt (jaxdp.finetune.add_soft_prompt)
 
     def __call__(self, tokens_BT: jax.Array, *, seq_axis: str | None = None) -> jax.Array:
+        return self.head(self.features(tokens_BT, seq_axis=seq_axis))
+
+    def features(self, tokens_BT: jax.Array, *, seq_axis: str | None = None) -> jax.Array:
+        """The head's input (B, T, D): the blocks, then the final norm at the tokens' positions."""
         x_BTD, positions_T = self.embed(tokens_BT, seq_axis=seq_axis)
         apply = remat_block(_block_fn(seq_axis), self.config.remat)
         for block in self.blocks:
             x_BTD = apply(block, x_BTD, positions_T)
-        return self.logits(x_BTD, tokens_BT.shape[1])
+        return self.final_norm(x_BTD, tokens_BT.shape[1])
 
     def embed(self, tokens_BT: jax.Array, *, seq_axis: str | None = None) -> tuple[jax.Array, jax.Array]:
         """(the first block's input x_BTD, positions_T): token (after a soft prompt, if any) + position embeddings."""
@@ -167,7 +172,16 @@ class GPT2(nnx.Module):
         positions_T = context.seq_offset(T, seq_axis) + jnp.arange(T)
         return x_BTD + self.wpe(jnp.broadcast_to(positions_T, (B, T))), positions_T
 
-    def logits(self, x_BTD: jax.Array, num_tokens: int) -> jax.Array:
-        """Final norm and tied head on the last `num_tokens` positions (float32 logits)."""
-        logits_BTV = self.wte.attend(self.ln_f(x_BTD[:, x_BTD.shape[1] - num_tokens:]))
+    def final_norm(self, x_BTD: jax.Array, num_tokens: int) -> jax.Array:
+        """The final norm on the last `num_tokens` positions (a soft prompt's are dropped)."""
+        return self.ln_f(x_BTD[:, x_BTD.shape[1] - num_tokens:])
+
+    def head(self, h_BTD: jax.Array) -> jax.Array:
+        """The tied head: float32 logits (B, T, V) of the features."""
+        logits_BTV = self.wte.attend(h_BTD)
         return logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))
+
+    def frozen_head(self) -> Callable[[jax.Array], jax.Array] | None:
+        """`head` when its weights are frozen (fine-tuning), else None: a loss may then run the head over
+        chunks of tokens (`jaxdp.losses.token_nll`)."""
+        return None if nn.is_trainable(self.wte.embedding) else self.head

@@ -62,6 +62,13 @@ class LadderSideGPT2(nnx.Module):
         self.up = nn.Linear(width, d, dtype=dtype, kernel_init=nnx.initializers.zeros, rngs=rngs)
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        return self.backbone.head(self.features(tokens_BT))
+
+    def frozen_head(self):
+        return self.backbone.frozen_head()
+
+    def features(self, tokens_BT: jax.Array) -> jax.Array:
+        """The head's input: the final norm of the backbone's output plus the side network's up-projection."""
         backbone = self.backbone
         h_BTD, positions_T = backbone.embed(tokens_BT)
         h_BTD = jax.lax.stop_gradient(h_BTD)  # no backward into the backbone
@@ -69,4 +76,4 @@ class LadderSideGPT2(nnx.Module):
         for down, gate, side_block, block in zip(self.downs[1:], self.gates, self.blocks, backbone.blocks):
             h_BTD = jax.lax.stop_gradient(block(h_BTD, positions_T))
             s_BTW = side_block(gate(down(h_BTD), s_BTW), positions_T)
-        return backbone.logits(h_BTD + self.up(self.ln(s_BTW)).astype(h_BTD.dtype), tokens_BT.shape[1])
+        return backbone.final_norm(h_BTD + self.up(self.ln(s_BTW)).astype(h_BTD.dtype), tokens_BT.shape[1])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -198,6 +199,10 @@ class Llama(nnx.Module):
             config.d_model, config.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens_BT: jax.Array, *, seq_axis: str | None = None) -> jax.Array:
+        return self.head(self.features(tokens_BT, seq_axis=seq_axis))
+
+    def features(self, tokens_BT: jax.Array, *, seq_axis: str | None = None) -> jax.Array:
+        """The head's input (B, T, D): the blocks, then the final norm."""
         _, T = tokens_BT.shape
         if context.global_seq_len(T, seq_axis) > self.config.seq_len:
             raise ValueError(f"sequence length {context.global_seq_len(T, seq_axis)} exceeds "
@@ -208,6 +213,14 @@ class Llama(nnx.Module):
         apply = remat_block(_block_fn(seq_axis), self.config.remat)
         for block in self.blocks:
             x_BTD = apply(block, x_BTD, positions_T, inv_freq)
-        h_BTD = self.norm(x_BTD)
+        return self.norm(x_BTD)
+
+    def head(self, h_BTD: jax.Array) -> jax.Array:
+        """The head (tied embedding or lm_head): float32 logits (B, T, V) of the features."""
         logits_BTV = self.embed_tokens.attend(h_BTD) if self.lm_head is None else self.lm_head(h_BTD)
         return logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))
+
+    def frozen_head(self) -> Callable[[jax.Array], jax.Array] | None:
+        """`head` when its weights are frozen (fine-tuning), else None (`jaxdp.losses.token_nll`)."""
+        weights = self.embed_tokens.embedding if self.lm_head is None else self.lm_head.kernel
+        return None if nn.is_trainable(weights) else self.head

@@ -134,6 +134,13 @@ class ReversibleGPT2(nnx.Module):
                                   for _ in range(config.n_layer)])
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        return self.backbone.head(self.features(tokens_BT))
+
+    def frozen_head(self):
+        return self.backbone.frozen_head()
+
+    def features(self, tokens_BT: jax.Array) -> jax.Array:
+        """The head's input: the final norm of the averaged streams."""
         backbone = self.backbone
         h_BTD, positions_T = backbone.embed(tokens_BT)
         h_BTD = h_BTD.astype(jnp.promote_types(h_BTD.dtype, jnp.float32))  # streams in float32 at least
@@ -144,7 +151,7 @@ class ReversibleGPT2(nnx.Module):
                 x1, x2 = _layer(F, G, self.alpha, self.beta, x1, x2, positions_T)
         else:
             x1, x2 = self._reversible(tape, h_BTD, positions_T)
-        return backbone.logits((x1 + x2) / 2, tokens_BT.shape[1])
+        return backbone.final_norm((x1 + x2) / 2, tokens_BT.shape[1])
 
     def _reversible(self, tape, h_BTD, positions_T):
         alpha, beta, every = self.alpha, self.beta, self.keep_streams_every
