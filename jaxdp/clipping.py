@@ -35,6 +35,7 @@ G_b is one array read by both).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Hashable, Mapping
 
 import jax
@@ -62,6 +63,20 @@ def check_clip_fn(clip_fn) -> None:
         raise ValueError(f"clip_fn must be one of {CLIP_FNS}, got {clip_fn!r}")
 
 
+MIN_GAMMA = 2.0**-20  # automatic clipping: a norm that underflows to 0 passes at most C * 2^-47 / gamma
+
+
+def check_gamma(clip_fn: str, gamma) -> None:
+    """Automatic clipping's gamma must be >= MIN_GAMMA: an example whose squares all underflow in float32
+    (every entry below 2^-63) has a computed norm of 0 and a true norm up to sqrt(size) 2^-63 (< 2^-47 for
+    2^32 entries), which c = C / (0 + gamma) lets through at C * true / gamma (gamma 1e-30: 3e11 C,
+    attacker review 12); gamma >= 2^-20 keeps that below 2^-27 C, inside the rounding allowance."""
+    if clip_fn != "automatic" or isinstance(gamma, jax.core.Tracer):
+        return
+    if not gamma >= MIN_GAMMA:  # NaN fails too
+        raise ValueError(f"gamma must be >= 2**-20 ({MIN_GAMMA:.3g}) with clip_fn='automatic', got {gamma!r}")
+
+
 def group_of(path: Path, clipping: Grouping) -> Hashable:
     """The clipping group of a parameter. per_layer: the owning module's path."""
     if clipping == "flat":
@@ -75,9 +90,12 @@ def group_thresholds(groups, l2_norm_clip: float,
                      group_weights: Mapping[Hashable, float] | None = None) -> dict:
     """C_g = C * sqrt(w_g / sum w); equal weights by default, so C_g = C / sqrt(G)."""
     groups = list(dict.fromkeys(groups))
+    if group_weights is not None and (missing := [g for g in groups if g not in group_weights]):
+        raise ValueError(f"group_weights has no weight for clipping group(s) {missing}; it must map every "
+                         f"group to a finite weight > 0, groups: {groups}")
     weights = {g: 1.0 for g in groups} if group_weights is None else {g: float(group_weights[g]) for g in groups}
-    if any(w <= 0 for w in weights.values()):
-        raise ValueError(f"group_weights must be positive, got {weights}")
+    if not all(0 < w < math.inf for w in weights.values()):  # NaN fails too
+        raise ValueError(f"group_weights must be finite and > 0, got {weights}")
     total = sum(weights.values())
     return {g: l2_norm_clip * (weights[g] / total) ** 0.5 for g in groups}
 

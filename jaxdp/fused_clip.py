@@ -46,6 +46,21 @@ def flatten_grads(grads):
     return paths, [as_factored(leaf) for _, leaf in with_path], treedef
 
 
+def _check_parameter_shapes(grads, params) -> None:
+    """Each gradient's parameter shape must be its parameter's: a summed gradient (no batch axis; with a
+    square kernel its rows would pass as examples: 11 C, attacker review 12) is refused."""
+    paths, factored, _ = flatten_grads(grads)
+    shapes = [jnp.shape(p) for p in jax.tree.leaves(params)]
+    if len(shapes) != len(factored):
+        raise ValueError(f"fused_clip: update got {len(factored)} gradients for {len(shapes)} parameters")
+    for path, grad, shape in zip(paths, factored, shapes):
+        if tuple(grad.shape) != tuple(shape):
+            raise ValueError(
+                f"fused_clip: the gradient of {'/'.join(map(str, path))} has per-example shape "
+                f"{tuple(grad.shape)} for a parameter of shape {tuple(shape)}: update takes per-example "
+                "gradients (jaxdp.per_example_grads, or arrays with a leading batch axis), not their sum")
+
+
 def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: str = "abadi",
                       gamma: float = 0.01, strategy: str = "auto",
                       group_weights: Mapping[Hashable, float] | None = None,
@@ -75,6 +90,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     sequence-shard partials, its norms exact, and the sums this returns the
     shard's share (summed over the sequence axis by the caller).
     """
+    clipping_lib.check_gamma(clip_fn, gamma)
     paths, factored, treedef = flatten_grads(grads)
     groups = [clipping_lib.group_of(p, clipping) for p in paths]
     thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
@@ -271,7 +287,7 @@ def _stored_gradients(factored, strategy: str, chunk_size: int, memory_budget_by
     return {i: norms_lib.per_example_gradients(factored[i]) for i in linear}
 
 
-def _check_positive(name, value, allow_zero=False):
+def check_positive(name, value, allow_zero=False):
     ok = value >= 0 if allow_zero else value > 0
     if not ok:
         bound = ">= 0" if allow_zero else "> 0"
@@ -308,6 +324,11 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
     `jaxdp.accounting` turns (sigma, q, steps, delta) into epsilon. Dividing by
     the EXPECTED batch size (not the realised count) is what keeps that true.
 
+    Composition: `fused_clip` must be first in the chain (a transform before
+    it sees the whole batch), no transform after it may take the loss
+    (`value=`: it is not noised), and the `accumulation_steps` micro-batches
+    must split one Poisson draw.
+
     Edge cases: C <= 0 and sigma < 0 are errors; an example whose norm is
     non-finite contributes exactly zero (never NaN); an empty or fully masked
     batch gives pure noise / expected_batch_size.
@@ -317,9 +338,10 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
       noise_multiplier: sigma; noise std is sigma * C * SENSITIVITY_FACTOR. 0 disables noise (no privacy).
       expected_batch_size: q * N, the divisor of the noised sum.
       key: the noise PRNG key kept in the state (split once per logical
-        batch). None (the default) draws one from the operating system's
-        entropy (`jaxdp.noise.secret_key`); a pinned key reproduces the noise,
-        and whoever knows it can remove the noise.
+        batch). None (the default): every `init` call draws a fresh one from
+        the operating system's entropy (`jaxdp.noise.secret_key`; init under
+        jit / vmap is then refused); a pinned key reproduces the noise, and
+        whoever knows it can remove the noise: never pin one key for two runs.
       clipping: "flat" (one group), "per_layer" (a group per module: a
         parameter's path without its own name), or a callable path -> group key.
       clip_fn: "abadi" (min(1, C_g/n)) or "automatic" (C_g / (n + gamma)).
@@ -363,28 +385,31 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
       ...     jaxdp.fused_clip(1.0, 0.9, expected_batch_size=512),
       ...     optax.adamw(3e-4))
     """
-    _check_positive("l2_norm_clip", l2_norm_clip)
-    _check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
-    _check_positive("expected_batch_size", expected_batch_size)
-    _check_positive("gamma", gamma)
-    _check_positive("chunk_size", chunk_size)
+    check_positive("l2_norm_clip", l2_norm_clip)
+    check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
+    check_positive("expected_batch_size", expected_batch_size)
+    check_positive("gamma", gamma)
+    clipping_lib.check_gamma(clip_fn, gamma)
+    check_positive("chunk_size", chunk_size)
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
     clipping_lib.check_clipping(clipping)
     clipping_lib.check_clip_fn(clip_fn)
     norms_lib.check_strategy(strategy)
     noise_std = noise_lib.noise_std(l2_norm_clip, noise_multiplier)
-    key = noise_lib.check_key(key, "fused_clip")
+    pinned = None if key is None else noise_lib.check_key(key, "fused_clip")
     secure_noise = noise_lib.check_secure(secure_noise, "fused_clip")
 
     def init_fn(params):
         accumulated = None
         if accumulation_steps > 1:
             accumulated = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-        return FusedClipState(key, jnp.zeros((), jnp.int32), accumulated)
+        return FusedClipState(noise_lib.init_key(pinned, params, "fused_clip", noisy=noise_std > 0), jnp.zeros((), jnp.int32),
+                              accumulated)
 
     def update_fn(grads, state, params=None):
-        del params
+        if params is not None:
+            _check_parameter_shapes(grads, params)
         sums, _ = clipped_aggregate(
             grads, l2_norm_clip, clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,
             group_weights=group_weights, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes,

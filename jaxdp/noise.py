@@ -158,6 +158,20 @@ def check_key(key, owner: str) -> jax.Array:
     return key
 
 
+def init_key(pinned: jax.Array | None, state, owner: str, *, noisy: bool = True) -> jax.Array:
+    """The noise key of one `init` call: the `pinned` key (`check_key`), else a fresh secret key per call, so
+    two optimizers (or a re-init) of one transform never share noise (attacker review 12). Where the key
+    matters (`noisy`), a fresh key drawn while `state` is traced (init under jit or vmap) would be one
+    constant of the compiled program for every call: refused."""
+    if pinned is not None:
+        return pinned
+    if noisy and any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+        raise ValueError(f"{owner}(key=None): init ran under a JAX transformation (jit, vmap), where a fresh "
+                         "secret key would be drawn once, at tracing, and shared by every call: call init "
+                         "outside transformations, or pass key= (a secret jax.random.key)")
+    return secret_key()
+
+
 def noise_std(l2_norm_clip: float, noise_multiplier: float) -> float:
     """Standard deviation of the Gaussian noise: sigma times the guaranteed sensitivity C * SENSITIVITY_FACTOR."""
     return float(noise_multiplier) * float(l2_norm_clip) * SENSITIVITY_FACTOR

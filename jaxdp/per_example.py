@@ -137,7 +137,21 @@ def discover(loss_fn: LossFn, model: nnx.Module, batch):
     with _tape.recording("discover", axes=axes) as tape:
         losses_struct, _ = jax.eval_shape(losses_of, params, rest)
     _check_losses(losses_struct)
+    _check_batch_first(tape.uses, losses_struct.shape[0])
     return graphdef, params, rest, tape.uses, axes, losses_of
+
+
+def _check_batch_first(uses: dict, batch_size: int) -> None:
+    """Every tapped input and output must lead with the losses' batch axis: a layer run inside a loss that
+    vmaps over examples, or on a table shared by the batch, records no per-example factors (its 'per-example'
+    gradient would be a sum over examples: sensitivity 2 C and more, attacker review 12)."""
+    for use in uses.values():
+        if use.y.shape[:1] != (batch_size,) or use.record.shape[:1] != (batch_size,):
+            raise ValueError(
+                f"per_example_grads: layer {'/'.join(map(str, use.path))} ran on an input of shape "
+                f"{tuple(use.record.shape)} with output {tuple(use.y.shape)}: every jaxdp layer must see the "
+                f"batch axis of the losses ({batch_size},) first. Apply layers to the whole batch (not inside "
+                "jax.vmap over examples, not to a table shared by all examples)")
 
 
 def term_slots(use: _tape.Use):

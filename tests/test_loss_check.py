@@ -47,6 +47,15 @@ def test_row_dependent_loss_fails(models):
         jaxdp.check_per_example_loss(row_weighted_loss, models["gpt2"], lm_batch(2))
 
 
+def test_loss_divided_by_the_count_of_examples_fails(models):
+    """Attacker review 12: a loss divided by mask.sum() passed (swapping two examples keeps the count) and
+    let one example move the clipped sum by 1.7 C; removing example 0 shows the coupling."""
+    def count_normalised_loss(model, batch):
+        return lm_loss(model, batch) * batch["mask"].shape[0] / batch["mask"].sum()
+    with pytest.raises(ValueError, match="removing example 0 changed the loss of example .* count of examples"):
+        jaxdp.check_per_example_loss(count_normalised_loss, models["gpt2"], lm_batch(2))
+
+
 def test_scalar_loss_fails_with_shape_message(models):
     mean_loss = lambda model, batch: lm_loss(model, batch).mean()
     with pytest.raises(ValueError, match=r"per-example losses of shape \(B,\); got shape \(\)"):

@@ -146,6 +146,64 @@ def test_default_noise_key_is_secret():
         jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=5)
 
 
+def test_every_init_draws_its_own_noise_key():
+    """Attacker review 12: `fused_clip(key=None)` drew its key once, when built, and every `init` returned it:
+    two optimizers (or a re-init, or vmap(init)) of one transform shared their noise, and the difference of
+    two releases on neighbouring data recovered the example to 7e-8 (noise std 1). Now each init draws a
+    fresh key, a pinned key stays pinned, and a noisy init under jit / vmap (one key baked into the
+    compiled program) is refused; so for ShardedDPStep."""
+    model, _, C, _ = setup()
+    params = nnx.state(model, nnx.Param)
+    tx = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS)
+    keys = [np.asarray(jax.random.key_data(tx.init(params).noise_key)) for _ in range(2)]
+    assert not np.array_equal(*keys)
+    pinned = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=jax.random.key(7))
+    assert np.array_equal(*[np.asarray(jax.random.key_data(pinned.init(params).noise_key)) for _ in range(2)])
+    with pytest.raises(ValueError, match=r"fused_clip\(key=None\): init ran under a JAX transformation"):
+        jax.jit(tx.init)(params)
+    jax.jit(jaxdp.fused_clip(C, 0.0, expected_batch_size=EBS).init)(params)  # no noise: the key is unused
+    mesh = jax.make_mesh((1, 1), ("data", "seq"), devices=jax.devices()[:1])
+    step = jaxdp.sharding.ShardedDPStep(lm_loss, optax.sgd(0.1), mesh, l2_norm_clip=C, noise_multiplier=SIGMA,
+                                        expected_batch_size=EBS)
+    keys = [np.asarray(jax.random.key_data(step.init(model).noise_key)) for _ in range(2)]
+    assert not np.array_equal(*keys)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda C: jaxdp.sharding.ShardedDPStep(lm_loss, optax.sgd(0.1), jax.make_mesh((1, 1), ("data", "seq")),
+                                            l2_norm_clip=C, noise_multiplier=float("nan"), expected_batch_size=EBS),
+     "noise_multiplier must be >= 0, got nan"),  # NaN passed `< 0` and then skipped the noise
+    (lambda C: jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clip_fn="automatic", gamma=1e-30),
+     r"gamma must be >= 2\*\*-20"),  # an underflowed norm of 0 passed at C * norm / gamma (3e11 C)
+    (lambda C: jaxdp.sharding.ShardedDPStep(lm_loss, optax.sgd(0.1), jax.make_mesh((1, 1), ("data", "seq")),
+                                            l2_norm_clip=C, noise_multiplier=SIGMA, expected_batch_size=EBS,
+                                            clip_fn="automatic", gamma=0.0),
+     "gamma must be > 0"),
+], ids=["sharded_nan_sigma", "tiny_gamma", "sharded_zero_gamma"])
+def test_arguments_that_voided_the_noise_or_the_bound_are_refused(make, match):
+    _, _, C, _ = setup()
+    with pytest.raises(ValueError, match=match):
+        make(C)
+
+
+def test_update_refuses_gradients_that_are_not_per_example():
+    """Attacker review 12: `nnx.grad` of the summed loss passed to fused_clip was read as per-example
+    gradients (a square kernel's rows as examples: 11 C). With `params` (nnx.Optimizer passes them) a
+    gradient whose per-example shape is not its parameter's is refused; so are group weights that are NaN
+    or miss a group."""
+    model, batch, C, grads = setup()
+    params = nnx.state(model, nnx.Param)
+    tx = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=jax.random.key(0))
+    summed = nnx.grad(lambda m: lm_loss(m, batch).sum())(model)
+    with pytest.raises(ValueError, match="per-example shape .* not their sum"):
+        tx.update(summed, tx.init(params), params)
+    for weights, match in (({"rest": float("nan")}, "finite and > 0"), ({}, "no weight for clipping group")):
+        tx = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=lambda path: "rest",
+                              group_weights=weights, key=jax.random.key(0))
+        with pytest.raises(ValueError, match=match):
+            tx.update(grads, tx.init(params), params)
+
+
 # ------------------------------------------------------------------ floating-point noise (Mironov 2012)
 
 

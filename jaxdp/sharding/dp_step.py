@@ -67,7 +67,7 @@ from jaxdp import clipping as clipping_lib
 from jaxdp import noise as noise_lib
 from jaxdp import norm_costs
 from jaxdp import norms as norms_lib
-from jaxdp.fused_clip import clipped_aggregate
+from jaxdp.fused_clip import check_positive, clipped_aggregate
 from jaxdp.per_example import per_example_grads
 from jaxdp.sharding import context_parallel
 from jaxdp.two_pass import two_pass_clipped_sums, weighted_loss_grad
@@ -153,8 +153,8 @@ class ShardedDPStep:
     by ordinary autodiff; `l2_norm_clip`, `noise_multiplier` and the clipping
     options are then ignored. It is not differentially private.
 
-    `key`: the noise PRNG key of `init`'s state; None (the default) draws one
-    from the operating system's entropy (`jaxdp.noise.secret_key`). `secure_noise`: as
+    `key`: the noise PRNG key of `init`'s state; None (the default): each `init` draws a fresh
+    one from the operating system's entropy (`jaxdp.noise.secret_key`). `secure_noise`: as
     `jaxdp.fused_clip`'s (4 draws per noise value, the noisy sum snapped to a grid).
 
     `loss_fn(model, batch) -> losses (B,)`. On a mesh with seq > 1 (context
@@ -181,20 +181,20 @@ class ShardedDPStep:
         if private and method == "two_pass" and clipping != "flat":
             raise ValueError(f'method="two_pass" needs clipping="flat", got clipping={clipping!r}; '
                              'use method="bookkeeping" for per-layer or grouped clipping')
-        if private and l2_norm_clip <= 0:
-            raise ValueError(f"l2_norm_clip must be > 0, got {l2_norm_clip}")
-        if private and noise_multiplier < 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-        if expected_batch_size <= 0:
-            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
+        if private:  # NaN passed `<= 0` checks and then skipped the noise (attacker review 12)
+            check_positive("l2_norm_clip", l2_norm_clip)
+            check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
+            check_positive("gamma", gamma)
+        check_positive("expected_batch_size", expected_batch_size)
         clipping_lib.check_clipping(clipping)
         clipping_lib.check_clip_fn(clip_fn)
+        clipping_lib.check_gamma(clip_fn, gamma)
         norms_lib.check_strategy(strategy)
         check_mesh_strategy(strategy)
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
         self.zero_stage, self.private, self.method = zero_stage, private, method
         self.allow_low_precision = allow_low_precision  # two_pass below float32: measurements only (jaxdp.two_pass)
-        self.key = noise_lib.check_key(key, "ShardedDPStep")
+        self.pinned_key = None if key is None else noise_lib.check_key(key, "ShardedDPStep")
         self.secure_noise = noise_lib.check_secure(secure_noise, "ShardedDPStep")
         self.noise_std = noise_lib.noise_std(l2_norm_clip, noise_multiplier) if private else 0.0
         self.expected_batch_size = expected_batch_size
@@ -219,7 +219,8 @@ class ShardedDPStep:
         self.layout = layout
         _, params, rest = nnx.split(model, nnx.Param, ...)
         opt_state = jax.jit(self.tx.init, out_shardings=layout.state_shardings.opt_state)(params)
-        state = ShardedDPState(params, rest, opt_state, self.key)
+        key = noise_lib.init_key(self.pinned_key, params, "ShardedDPStep", noisy=self.noise_std > 0)
+        state = ShardedDPState(params, rest, opt_state, key)
         return jax.device_put(state, layout.state_shardings)
 
     @property
