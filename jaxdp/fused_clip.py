@@ -339,8 +339,8 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
       expected_batch_size: q * N, the divisor of the noised sum.
       key: the noise PRNG key kept in the state (split once per logical
         batch). None (the default): every `init` call draws a fresh one from
-        the operating system's entropy (`jaxdp.noise.secret_key`; init under
-        jit / vmap is then refused); a pinned key reproduces the noise, and
+        the operating system's entropy (`jaxdp.noise.init_key`; under jit or
+        vmap when the program runs); a pinned key reproduces the noise, and
         whoever knows it can remove the noise: never pin one key for two runs.
       clipping: "flat" (one group), "per_layer" (a group per module: a
         parameter's path without its own name), or a callable path -> group key.
@@ -404,7 +404,7 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
         accumulated = None
         if accumulation_steps > 1:
             accumulated = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-        return FusedClipState(noise_lib.init_key(pinned, params, "fused_clip", noisy=noise_std > 0), jnp.zeros((), jnp.int32),
+        return FusedClipState(noise_lib.init_key(pinned, params), jnp.zeros((), jnp.int32),
                               accumulated)
 
     def update_fn(grads, state, params=None):

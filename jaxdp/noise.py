@@ -76,6 +76,7 @@ import secrets
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from jaxdp.clipping import SENSITIVITY_FACTOR
 
@@ -158,18 +159,23 @@ def check_key(key, owner: str) -> jax.Array:
     return key
 
 
-def init_key(pinned: jax.Array | None, state, owner: str, *, noisy: bool = True) -> jax.Array:
+def init_key(pinned: jax.Array | None, state) -> jax.Array:
     """The noise key of one `init` call: the `pinned` key (`check_key`), else a fresh secret key per call, so
-    two optimizers (or a re-init) of one transform never share noise (attacker review 12). Where the key
-    matters (`noisy`), a fresh key drawn while `state` is traced (init under jit or vmap) would be one
-    constant of the compiled program for every call: refused."""
+    two optimizers (or a re-init) of one transform never share noise (attacker review 12). An init traced
+    under jit / vmap / eval_shape draws its key from the operating system when the program runs
+    (`io_callback`: once per call, and once per vmapped member whose `state` differs), never at tracing,
+    where one key would serve every call."""
     if pinned is not None:
         return pinned
-    if noisy and any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
-        raise ValueError(f"{owner}(key=None): init ran under a JAX transformation (jit, vmap), where a fresh "
-                         "secret key would be drawn once, at tracing, and shared by every call: call init "
-                         "outside transformations, or pass key= (a secret jax.random.key)")
-    return secret_key()
+    leaves = jax.tree.leaves(state)
+    if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return secret_key()
+    shape = jax.random.key_data(jax.random.key(0, impl=NOISE_IMPL)).shape
+    # One element of every leaf: the callback then varies (is batched) wherever the state does.
+    probe = jnp.stack([jnp.sum(jnp.ravel(x)[:1].astype(jnp.float32)) for x in leaves] or [jnp.zeros(())])
+    words = io_callback(lambda _: np.frombuffer(secrets.token_bytes(4 * math.prod(shape)), np.uint32).reshape(shape),
+                        jax.ShapeDtypeStruct(shape, jnp.uint32), probe, ordered=False)
+    return jax.random.wrap_key_data(words, impl=NOISE_IMPL)
 
 
 def noise_std(l2_norm_clip: float, noise_multiplier: float) -> float:

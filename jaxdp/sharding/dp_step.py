@@ -219,7 +219,7 @@ class ShardedDPStep:
         self.layout = layout
         _, params, rest = nnx.split(model, nnx.Param, ...)
         opt_state = jax.jit(self.tx.init, out_shardings=layout.state_shardings.opt_state)(params)
-        key = noise_lib.init_key(self.pinned_key, params, "ShardedDPStep", noisy=self.noise_std > 0)
+        key = noise_lib.init_key(self.pinned_key, params)
         state = ShardedDPState(params, rest, opt_state, key)
         return jax.device_put(state, layout.state_shardings)
 
