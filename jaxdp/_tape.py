@@ -143,6 +143,10 @@ class _Tape:
             record = record.astype(jnp.float32)
         y = varying_like(y, tuple(a for a in self.axes if a not in varying_axes(y)))
         if self.mode == "discover":
+            if type(y).__name__ == "BatchTracer" or type(record).__name__ == "BatchTracer":
+                raise ValueError(  # a loss that vmaps over examples: 1.5-1.9 C where T == B (attacker review 13)
+                    f"per_example_grads: layer {'/'.join(map(str, path))} ran inside jax.vmap in the loss: "
+                    "apply layers to the whole batch (batch axis first), not inside jax.vmap over examples")
             self.uses[key] = Use(path, terms_fn,
                                  jax.ShapeDtypeStruct(y.shape, y.dtype),
                                  jax.ShapeDtypeStruct(record.shape, record.dtype),

@@ -50,6 +50,12 @@ def _check_parameter_shapes(grads, params) -> None:
     """Each gradient's parameter shape must be its parameter's: a summed gradient (no batch axis; with a
     square kernel its rows would pass as examples: 11 C, attacker review 12) is refused."""
     paths, factored, _ = flatten_grads(grads)
+    if params is None:  # a FactoredGrad is per-example by construction; a plain array may be a sum (16 C)
+        if not all(is_factored(g) for g in jax.tree.leaves(grads, is_leaf=is_factored)):
+            raise ValueError("fused_clip: update got plain-array gradients without params: pass "
+                             "params=(the parameters) so that their per-example shapes can be checked "
+                             "(nnx.Optimizer does), or the FactoredGrads of jaxdp.per_example_grads")
+        return
     shapes = [jnp.shape(p) for p in jax.tree.leaves(params)]
     if len(shapes) != len(factored):
         raise ValueError(f"fused_clip: update got {len(factored)} gradients for {len(shapes)} parameters")
@@ -408,8 +414,7 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
                               accumulated)
 
     def update_fn(grads, state, params=None):
-        if params is not None:
-            _check_parameter_shapes(grads, params)
+        _check_parameter_shapes(grads, params)
         sums, _ = clipped_aggregate(
             grads, l2_norm_clip, clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,
             group_weights=group_weights, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes,

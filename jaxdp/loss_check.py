@@ -6,9 +6,11 @@ examples (batch statistics, logits normalised over the batch, in-batch
 negatives) example b also moves the other examples' gradients, and its
 contribution to the clipped sum is no longer bounded by C.
 
-The check runs the loss three times: on the batch, on a copy in which example
-0's data is replaced by another example's (example j's), and on the batch
-without example 0 (which catches a loss divided by the count of examples). A per-example loss leaves
+The check runs the loss up to five times: on the batch, on a copy in which
+example 0's data is replaced by another example's (example j's), and on the
+batch without example 0, without the example of the largest loss and without
+that of the smallest (which catch a loss divided by the count of examples or
+normalised by the batch's extremes). A per-example loss leaves
 every other example's loss unchanged and gives example 0 example j's loss.
 Replacing one example's content, rather than permuting the batch, is what
 catches permutation-equivariant couplings such as subtracting the batch mean.
@@ -51,8 +53,9 @@ def check_per_example_loss(loss_fn: LossFn, model: nnx.Module, batch: Any, *,
     whose data differs from example 0's; it requires every other example's
     loss to be unchanged and example 0's loss to equal example j's, each to
     `rtol * max_b |losses[b]|`. The model is not changed (the loss runs on
-    clones of it). A few examples suffice; the loss runs three times (the third
-    without example 0: the other losses must not change). Turn dropout
+    clones of it). A few examples suffice; the loss runs up to five times (three
+    without one example: example 0, the largest loss's, the smallest's; the
+    other losses must not change). Turn dropout
     off for the check: a mask drawn per row does not follow the data.
 
     Args:
@@ -106,16 +109,21 @@ def check_per_example_loss(loss_fn: LossFn, model: nnx.Module, batch: Any, *,
             f"{source}'s data has loss {moved_losses[0]:.8g}, example {source} has "
             f"{losses[source]:.8g} (difference {abs(moved_losses[0] - losses[source]):.3g}; "
             f"tolerance {tol:.3g}). {why}")
-    # Removing example 0 (its rows) must leave every other loss as it was: a swap keeps the batch's count of
-    # examples, so a loss divided by it (mask.sum(): 1.7 C, attacker review 12) passes the checks above.
-    kept = _losses(loss_fn, model, jax.tree.map(lambda a: a[1:] if _is_per_example(a, B) else a, batch))
-    change = np.abs(kept.astype(np.float64) - losses[1:])
-    b = int(np.argmax(change))
-    if change[b] > tol:
-        raise ValueError(
-            f"loss_fn couples examples: removing example 0 changed the loss of example {b + 1} by "
-            f"{change[b]:.3g} (from {losses[b + 1]:.8g} to {kept[b]:.8g}; tolerance {tol:.3g}): it depends on "
-            f"the batch's size or count of examples (e.g. divides by mask.sum()). {why}")
+    # Removing an example (its rows) must leave every other loss as it was: a swap keeps the batch's count of
+    # examples and its extremes, so a loss divided by the count (mask.sum(): 1.7 C, attacker review 12) or by
+    # the batch's largest loss (6.4 C, review 13) passes the checks above. Removed: example 0 and the
+    # examples of the largest and the smallest loss.
+    for r in dict.fromkeys([0, int(np.argmax(losses)), int(np.argmin(losses))]):
+        others = np.arange(B) != r
+        kept = _losses(loss_fn, model, jax.tree.map(lambda a: a[others] if _is_per_example(a, B) else a, batch))
+        change = np.abs(kept.astype(np.float64) - losses[others])
+        b = int(np.argmax(change))
+        if change[b] > tol:
+            k = int(np.flatnonzero(others)[b])
+            raise ValueError(
+                f"loss_fn couples examples: removing example {r} changed the loss of example {k} by "
+                f"{change[b]:.3g} (from {losses[k]:.8g} to {kept[b]:.8g}; tolerance {tol:.3g}): it depends on "
+                f"the batch's size, count of examples or extremes (e.g. divides by mask.sum()). {why}")
 
 
 def _losses(loss_fn: LossFn, model: nnx.Module, batch) -> np.ndarray:

@@ -164,12 +164,13 @@ def init_key(pinned: jax.Array | None, state) -> jax.Array:
     two optimizers (or a re-init) of one transform never share noise (attacker review 12). An init traced
     under jit / vmap / eval_shape draws its key from the operating system when the program runs
     (`io_callback`: once per call, and once per vmapped member whose `state` differs), never at tracing,
-    where one key would serve every call."""
+    where one key would serve every call. A vmapped init whose state is the same for every member (not
+    batched) runs once, so its members share one key: give each member its own `key=` there."""
     if pinned is not None:
         return pinned
     leaves = jax.tree.leaves(state)
-    if not any(isinstance(x, jax.core.Tracer) for x in leaves):
-        return secret_key()
+    if not isinstance(jnp.zeros(()), jax.core.Tracer) and not any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return secret_key()  # eager (a constant made under jit is a tracer: a closed-over state is caught too)
     shape = jax.random.key_data(jax.random.key(0, impl=NOISE_IMPL)).shape
     # One element of every leaf: the callback then varies (is batched) wherever the state does.
     probe = jnp.stack([jnp.sum(jnp.ravel(x)[:1].astype(jnp.float32)) for x in leaves] or [jnp.zeros(())])

@@ -136,6 +136,17 @@ def test_frozen_head_in_chunks_equals_the_plain_head(method):
     assert rel_err(numpy_by_path(g_chunked), numpy_by_path(g_planted)) > 10 * RTOL
 
 
+def test_trained_head_is_never_chunked():
+    """Review 13: LoRA on Llama's untied lm_head crashed `frozen_head` (no `kernel`); a head module holding
+    any trainable parameter takes the plain path."""
+    config = LlamaConfig.preset("tiny", vocab_size=97, seq_len=32, tie_embeddings=False)
+    model = finetune.prepare(Llama(config, rngs=nnx.Rngs(0)), "lora", rngs=nnx.Rngs(1),
+                             lora_targets=("attn/q_proj", "lm_head"), **METHOD_KWARGS)
+    assert model.frozen_head() is None
+    tokens = lm_batch(seed=4, B=2, T=6)["tokens"]
+    assert jaxdp.losses.token_nll(model, tokens[:, :-1], tokens[:, 1:]).shape == (2, 6)
+
+
 @pytest.mark.parametrize("method", ["lora", "adapter", "bitfit", "prompt", "side"])
 def test_equals_reference_on_trainable_parameters(method):
     model = prepared(method, seed=len(method))

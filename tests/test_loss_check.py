@@ -55,6 +55,12 @@ def test_loss_divided_by_the_count_of_examples_fails(models):
     with pytest.raises(ValueError, match="removing example 0 changed the loss of example .* count of examples"):
         jaxdp.check_per_example_loss(count_normalised_loss, models["gpt2"], lm_batch(2))
 
+    def max_normalised_loss(model, batch):  # review 13: neither the swap nor removing example 0 moves the max
+        losses = lm_loss(model, batch)
+        return losses / jax.lax.stop_gradient(losses.max())
+    with pytest.raises(ValueError, match="removing example [1-9] changed the loss"):
+        jaxdp.check_per_example_loss(max_normalised_loss, models["gpt2"], lm_batch(2))
+
 
 def test_scalar_loss_fails_with_shape_message(models):
     mean_loss = lambda model, batch: lm_loss(model, batch).mean()

@@ -161,8 +161,9 @@ def test_every_init_draws_its_own_noise_key():
     assert np.array_equal(*[np.asarray(jax.random.key_data(pinned.init(params).noise_key)) for _ in range(2)])
     def key_words(state):
         return np.asarray(jax.random.key_data(state.noise_key))
-    jitted = jax.jit(tx.init)
+    jitted, closed_over = jax.jit(tx.init), jax.jit(lambda: tx.init(params))  # review 13: the closure too
     assert not np.array_equal(key_words(jitted(params)), key_words(jitted(params)))
+    assert not np.array_equal(key_words(closed_over()), key_words(closed_over()))
     members = key_words(jax.vmap(tx.init)(jax.tree.map(lambda p: jnp.stack([p, p + 1, p + 2]), params)))
     assert len({w.tobytes() for w in members}) == 3
     assert jax.eval_shape(tx.init, params).noise_key.shape == ()
@@ -201,6 +202,9 @@ def test_update_refuses_gradients_that_are_not_per_example():
     summed = nnx.grad(lambda m: lm_loss(m, batch).sum())(model)
     with pytest.raises(ValueError, match="per-example shape .* not their sum"):
         tx.update(summed, tx.init(params), params)
+    with pytest.raises(ValueError, match="plain-array gradients without params"):  # review 13: 16 C without
+        tx.update(summed, tx.init(params))
+    tx.update(grads, tx.init(params))  # FactoredGrads carry their own shapes
     for weights, match in (({"rest": float("nan")}, "finite and > 0"), ({}, "no weight for clipping group")):
         tx = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=lambda path: "rest",
                               group_weights=weights, key=jax.random.key(0))

@@ -364,10 +364,11 @@ def test_resume_must_continue_the_mechanism_its_accountant_counted(tmp_path):
     receipt = json.loads((workdir / "privacy.json").read_text())
     assert receipt["mechanism"]["noise_multiplier"] == kept["noise_multiplier"]
     assert receipt["sampling"]["sampling_probability"] == kept["sampling_probability"]
-    shared = tmp_path / "shared"  # the directory as shared: checkpoints/ removed (README: private)
-    shutil.copytree(workdir, shared, ignore=shutil.ignore_patterns("checkpoints"))
-    with pytest.raises(training.ConfigError, match="finished run's outputs .* but no checkpoint"):
-        training.prepare(tiny_config(corpus, shared))
+    for private in (("checkpoints",), ("checkpoints", "model", "summary.json")):  # review 13: privacy.json too
+        shared = tmp_path / ("shared" + str(len(private)))  # the directory as shared, private parts removed
+        shutil.copytree(workdir, shared, ignore=shutil.ignore_patterns(*private))
+        with pytest.raises(training.ConfigError, match="finished run's outputs .* but no checkpoint"):
+            training.prepare(tiny_config(corpus, shared))
 
 
 def test_budget_stops_before_exceeding_target(corpus, tmp_path, monkeypatch):

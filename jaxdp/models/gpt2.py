@@ -184,4 +184,4 @@ class GPT2(nnx.Module):
     def frozen_head(self) -> Callable[[jax.Array], jax.Array] | None:
         """`head` when its weights are frozen (fine-tuning), else None: a loss may then run the head over
         chunks of tokens (`jaxdp.losses.token_nll`)."""
-        return None if nn.is_trainable(self.wte.embedding) else self.head
+        return None if jax.tree.leaves(nnx.state(self.wte, nnx.Param)) else self.head

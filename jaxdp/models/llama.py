@@ -222,5 +222,5 @@ class Llama(nnx.Module):
 
     def frozen_head(self) -> Callable[[jax.Array], jax.Array] | None:
         """`head` when its weights are frozen (fine-tuning), else None (`jaxdp.losses.token_nll`)."""
-        weights = self.embed_tokens.embedding if self.lm_head is None else self.lm_head.kernel
-        return None if nn.is_trainable(weights) else self.head
+        head = self.embed_tokens if self.lm_head is None else self.lm_head  # maybe LoRA'd or adapted: any Param
+        return None if jax.tree.leaves(nnx.state(head, nnx.Param)) else self.head

@@ -26,7 +26,7 @@ batch, sigma, delta and its split. A resume must reproduce it from the config
 and the data on disk now, or `prepare` refuses (`ConfigError` naming each field
 that changed), and then runs on the kept floats, so the steps after a resume are
 the mechanism the restored accountant counts. A directory whose run finished
-(`model/` or `summary.json`) but lost its checkpoints is refused: a new run
+(`model/`, `summary.json`, `privacy.json` or `samples.txt`) but lost its checkpoints is refused: a new run
 there would spend the data's budget again under the same receipt.
 """
 
@@ -66,10 +66,12 @@ from jaxdp.training.config import (
     runs_sharded_step,
     validate_config,
 )
+from jaxdp.training.receipt import PRIVACY_FILE
 from jaxdp.training.run_dir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     MODEL_DIR,
+    SAMPLES_FILE,
     SUMMARY_FILE,
     TOKENIZER_DIR,
     latest_checkpoint_meta,
@@ -125,8 +127,9 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     except ValueError as e:
         raise ConfigError(f"config.data.path: {e}") from None
     meta = latest_checkpoint_meta(workdir / CHECKPOINT_DIR)
-    _require(meta is not None or not any((workdir / f).exists() for f in (MODEL_DIR, SUMMARY_FILE)),
-             f"workdir {workdir} holds a finished run's outputs ({MODEL_DIR}/, {SUMMARY_FILE}) but no checkpoint: "
+    finished = (MODEL_DIR, SUMMARY_FILE, PRIVACY_FILE, SAMPLES_FILE)  # written only when a run ends
+    _require(meta is not None or not any((workdir / f).exists() for f in finished),
+             f"workdir {workdir} holds a finished run's outputs ({', '.join(finished)}) but no checkpoint: "
              "a new run there would spend the data's privacy budget again under the same receipt; pass a new "
              "--config.workdir")
     root_seed, seed_pinned = _root_seed(config, workdir, meta)
