@@ -312,7 +312,8 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
 
     `update(grads, state, params=None)` takes per-example gradients, either the
     `FactoredGrad`s of `jaxdp.per_example_grads` or plain arrays with a
-    leading batch axis (as optax's `differentially_private_aggregate`), and
+    leading batch axis (as optax's `differentially_private_aggregate`; then
+    with `params`, which checks their shapes), and
     returns parameter-shaped updates
 
         (sum_b clip(G_b) + N(0, sigma^2 C'^2 I)) / expected_batch_size,   C' = C * SENSITIVITY_FACTOR

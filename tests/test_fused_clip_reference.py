@@ -175,11 +175,13 @@ def test_norms_equal_reference_float64():
 
 
 def test_plain_per_example_arrays():
-    """fused_clip also takes materialised per-example gradients (B, ...), like optax's DP aggregate."""
-    _, _, C, ref_grads = setup(False)
+    """fused_clip also takes materialised per-example gradients (B, ...), like optax's DP aggregate, with the
+    parameters (which check that they are per-example: a summed gradient is refused)."""
+    model, _, C, ref_grads = setup(False)
     tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping="per_layer")
     nested = nnx.from_flat_state(list(ref_grads.items()))
-    updates, _ = tx.update(nested, tx.init(None))
+    params = nnx.state(model, nnx.Param)
+    updates, _ = tx.update(nested, tx.init(params), params)
     assert max_rel_err(updates, expected_update(False, "per_layer", "abadi")) <= RTOL
 
 
