@@ -404,7 +404,7 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
     clipping_lib.check_clip_fn(clip_fn)
     norms_lib.check_strategy(strategy)
     noise_std = noise_lib.noise_std(l2_norm_clip, noise_multiplier)
-    pinned = None if key is None else noise_lib.check_key(key, "fused_clip")
+    pinned = noise_lib.check_key(key, "fused_clip")
     secure_noise = noise_lib.check_secure(secure_noise, "fused_clip")
 
     def init_fn(params):

@@ -6,9 +6,9 @@ and subtract the noise exactly. The same holds for the Poisson sampling
 draws. So, everywhere in jaxdp:
 
 - Keys and seeds come from the operating system's entropy (`secrets`) unless
-  the user pins one: `fused_clip(key=None)`, `ShardedDPStep(key=None)`,
-  `PoissonSampler(seed=None)` and the pretraining job's `config.seed=None`
-  all call `secret_seed()`. A pinned seed reproduces a run bit for bit, and
+  the user pins one: `fused_clip(key=None)` and `ShardedDPStep(key=None)`
+  draw a fresh key at every `init` (`init_key`), `PoissonSampler(seed=None)`
+  and the pretraining job's `config.seed=None` call `secret_seed()`. A pinned seed reproduces a run bit for bit, and
   the guarantee then assumes that seed is secret (as Opacus' `secure_mode`).
 - One root seed feeds every use of randomness through `derive_seed(root,
   domain, ...)`: a SHA-256 of the root and the domain path, so the noise, the
@@ -142,11 +142,11 @@ def check_secure(secure, owner: str) -> bool:
     return bool(secure)
 
 
-def check_key(key, owner: str) -> jax.Array:
-    """`key` as a noise key (`NOISE_IMPL`; another key is mapped to one deterministically), or a fresh
-    secret key for None; raises TypeError naming `owner` for an integer."""
+def check_key(key, owner: str) -> jax.Array | None:
+    """`key` as a noise key (`NOISE_IMPL`; another key is mapped to one deterministically), or None for None
+    (each `init` then draws a fresh one: `init_key`); raises TypeError naming `owner` for an integer."""
     if key is None:
-        return secret_key()
+        return None
     if isinstance(key, (int, np.integer)):
         raise TypeError(f"{owner}: key must be a jax.random.key(...) or None (a secret key from the "
                         f"operating system), got the integer {key!r}; pass key=jax.random.key({key}) to pin it")

@@ -194,7 +194,7 @@ class ShardedDPStep:
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
         self.zero_stage, self.private, self.method = zero_stage, private, method
         self.allow_low_precision = allow_low_precision  # two_pass below float32: measurements only (jaxdp.two_pass)
-        self.pinned_key = None if key is None else noise_lib.check_key(key, "ShardedDPStep")
+        self.pinned_key = noise_lib.check_key(key, "ShardedDPStep")
         self.secure_noise = noise_lib.check_secure(secure_noise, "ShardedDPStep")
         self.noise_std = noise_lib.noise_std(l2_norm_clip, noise_multiplier) if private else 0.0
         self.expected_batch_size = expected_batch_size
