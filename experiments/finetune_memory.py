@@ -64,6 +64,8 @@ def main(argv):
     except ValueError as e:
         raise SystemExit(f"error: --accuracy_runs: {e}") from None
     device = hlo_cost.target_devices(TARGET.value, 1)[0]
+    if TARGET.value:  # strategy="auto" plans with the target's rates (jaxdp.device_rates.current)
+        os.environ["JAXDP_DEVICE_KIND"] = TARGET.value
     config = GPT2Config.preset(MODEL.value, dtype=DTYPE.value, **({"seq_len": 64} if MODEL.value == "tiny" else {}))
     runs = [(m, m, {}) for m in METHODS.value]
     if "reversible" in METHODS.value and REV_KEEP.value:

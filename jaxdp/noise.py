@@ -8,7 +8,8 @@ draws. So, everywhere in jaxdp:
 - Keys and seeds come from the operating system's entropy (`secrets`) unless
   the user pins one: `fused_clip(key=None)` and `ShardedDPStep(key=None)`
   draw a fresh key at every `init` (`init_key`), `PoissonSampler(seed=None)`
-  and the pretraining job's `config.seed=None` call `secret_seed()`. A pinned seed reproduces a run bit for bit, and
+  and the pretraining job's `config.seed=None` call `secret_seed()` (on several processes, process 0's
+  draw, broadcast, so all sample and noise alike). A pinned seed reproduces a run bit for bit, and
   the guarantee then assumes that seed is secret (as Opacus' `secure_mode`).
 - One root seed feeds every use of randomness through `derive_seed(root,
   domain, ...)`: a SHA-256 of the root and the domain path, so the noise, the
@@ -92,9 +93,17 @@ SECURE_DRAWS = 4  # normals summed per coordinate under secure=True (their sum /
 SNAP_BITS = 8     # secure=True rounds the released sum to a grid of std / 2^8 .. std / 2^9
 
 
-def secret_seed() -> int:
-    """A 128-bit seed from the operating system's entropy source."""
-    return secrets.randbits(_SEED_BITS)
+def secret_seed(bits: int = _SEED_BITS) -> int:
+    """A `bits`-bit seed from the operating system's entropy source. On several processes (multi-host),
+    process 0's, broadcast, so every process samples the same batches and adds the same noise (each
+    drew its own before): every process must call it, as SPMD code does."""
+    seed = secrets.randbits(bits)
+    if jax.process_count() == 1:
+        return seed
+    from jax.experimental import multihost_utils
+    words = np.array([(seed >> (32 * i)) & 0xFFFFFFFF for i in range(bits // 32)], np.uint32)
+    words = np.asarray(multihost_utils.broadcast_one_to_all(words))
+    return sum(int(w) << (32 * i) for i, w in enumerate(words))
 
 
 def derive_seed(root: int, *path: str | int) -> int:
@@ -131,8 +140,8 @@ def noise_key_from_seed(seed: int) -> jax.Array:
 
 
 def secret_key() -> jax.Array:
-    """A noise key from the operating system's entropy source."""
-    return noise_key_from_seed(secrets.randbits(256))
+    """A noise key from the operating system's entropy source (`secret_seed`: process 0's on several)."""
+    return noise_key_from_seed(secret_seed(256))
 
 
 def check_secure(secure, owner: str) -> bool:
@@ -165,11 +174,19 @@ def init_key(pinned: jax.Array | None, state) -> jax.Array:
     under jit / vmap / eval_shape draws its key from the operating system when the program runs
     (`io_callback`: once per call, and once per vmapped member whose `state` differs), never at tracing,
     where one key would serve every call. A vmapped init whose state is the same for every member (not
-    batched) runs once, so its members share one key: give each member its own `key=` there."""
+    batched) runs once, so its members share one key: give each member its own `key=` there.
+
+    On several processes (multi-host) every process must add the same noise: an eager init takes process
+    0's key (`secret_key`); a traced one cannot broadcast and is refused (pass `key=`)."""
     if pinned is not None:
         return pinned
     leaves = jax.tree.leaves(state)
-    if not isinstance(jnp.zeros(()), jax.core.Tracer) and not any(isinstance(x, jax.core.Tracer) for x in leaves):
+    traced = isinstance(jnp.zeros(()), jax.core.Tracer) or any(isinstance(x, jax.core.Tracer) for x in leaves)
+    if traced and jax.process_count() > 1:
+        raise ValueError("key=None on several processes: an init under jit / vmap would draw a different "
+                         "noise key on each process; init eagerly, or pass key= (one secret key, the same "
+                         "on every process)")
+    if not traced:
         return secret_key()  # eager (a constant made under jit is a tracer: a closed-over state is caught too)
     shape = jax.random.key_data(jax.random.key(0, impl=NOISE_IMPL)).shape
     # One element of every leaf: the callback then varies (is batched) wherever the state does.

@@ -387,3 +387,30 @@ def test_secure_noise_reaches_the_noise():
     finally:
         steps.fused_clip = real
     assert seen["secure_noise"] is True
+
+
+def test_several_processes_share_one_noise_key_and_seed(monkeypatch):
+    """`key=None` (and `PoissonSampler(seed=None)`) on several processes drew a different secret on each:
+    every process added its own noise to the same psum'd gradient (the replicas diverged) and sampled its
+    own batches. Secrets are now process 0's, broadcast; a traced init cannot broadcast and is refused.
+    (Two processes simulated: the broadcast returns 'process 0's words'.)"""
+    from jax.experimental import multihost_utils
+    model, _, C, _ = setup()
+    params = nnx.state(model, nnx.Param)
+    sent = []
+
+    def broadcast(words):
+        sent.append(np.asarray(words))
+        return np.full_like(words, 0x01020304)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
+    process_0 = sum(0x01020304 << (32 * i) for i in range(8))
+    key = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS).init(params).noise_key
+    assert np.array_equal(np.asarray(jax.random.key_data(key)),
+                          np.asarray(jax.random.key_data(jaxdp.noise.noise_key_from_seed(process_0))))
+    assert jaxdp.sampling.PoissonSampler(100, 10, max_batch_size=32).seed == process_0 % 2**128
+    assert [w.shape for w in sent] == [(8,), (4,)] and all((w != 0x01020304).any() for w in sent)
+    with pytest.raises(ValueError, match="several processes"):
+        jax.jit(jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS).init)(params)
+    pinned = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=jax.random.key(3))
+    assert pinned.init(params).noise_key is not None and len(sent) == 2  # a pinned key is the user's

@@ -40,7 +40,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -329,17 +328,7 @@ def _root_seed(config, workdir: pathlib.Path, meta: dict | None) -> tuple[int, b
         return int(meta["root_seed"]), bool(meta["seed_pinned"])
     if config.seed is not None:
         return int(config.seed), True
-    return _same_on_every_host(noise_lib.secret_seed()), False
-
-
-def _same_on_every_host(seed: int) -> int:
-    """Process 0's `seed` on every host of a multi-host run (each host draws its own otherwise)."""
-    if jax.process_count() == 1:
-        return seed
-    from jax.experimental import multihost_utils
-    words = np.array([(seed >> (32 * i)) & 0xFFFFFFFF for i in range(4)], np.uint32)  # 128 bits
-    words = np.asarray(multihost_utils.broadcast_one_to_all(words))
-    return sum(int(w) << (32 * i) for i, w in enumerate(words))
+    return noise_lib.secret_seed(), False  # process 0's on every host
 
 
 _PATH_FIELDS = ("data.path", "data.cache_dir")  # compared as resolved paths, not as spelled
