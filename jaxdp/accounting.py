@@ -144,7 +144,8 @@ _PLD_MAX_MEAN_LOSS = 1000.0
 
 
 def _pld_mean_loss_bound(sigma: float, q: float) -> float:
-    return math.inf if sigma < 0.03 else q * q * math.expm1(1 / sigma**2)
+    exponent = 1 / sigma**2
+    return math.inf if exponent > 700 else q * q * math.expm1(exponent)  # e^700 ~ 1e304: float64's edge
 
 
 @functools.lru_cache(maxsize=4)

@@ -310,11 +310,10 @@ def _tokenise_to_npy(docs, tokenizer, dtype, path: pathlib.Path, progress,
             out[:] = np.memmap(raw, dtype=dtype, mode="r", shape=(count,))
         out.flush()
         del out
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache may be shared.
+        # mkstemp's 0600 kept: the tokens are the private text's (attacker review 14: 0644 let local users read it).
         fd_off, tmp_off = tempfile.mkstemp(dir=path.parent, suffix=".offsets.tmp")
         with os.fdopen(fd_off, "wb") as f:
             np.save(f, np.asarray(offsets, np.int64))
-        os.chmod(tmp_off, 0o644)
         os.replace(tmp_off, _offsets_path(path))  # first: a tokens file is only read with its offsets
         os.replace(tmp, path)
     finally:

@@ -110,7 +110,7 @@ def reference_run(corpus, tmp_path_factory):
     return workdir, summary
 
 
-def test_run_directory_and_learning(reference_run):
+def test_run_directory_and_learning(reference_run, corpus):
     workdir, summary = reference_run
     names = ["config.json", "metrics.jsonl", "summary.json", "samples.txt", "tokenizer/tokenizer.json",
              "model/params.npz"]
@@ -128,6 +128,10 @@ def test_run_directory_and_learning(reference_run):
     assert summary["val_loss"] < summary["initial_val_loss"]
     assert_delta_pays_the_sampling_slack(summary)
     assert sorted(os.listdir(workdir / "checkpoints")) == ["6"]  # only the latest is kept
+    # review 14: the checkpoints (root seed) and the token cache (the private text) were world-readable
+    assert (workdir / "checkpoints").stat().st_mode & 0o077 == 0
+    cache = sorted((pathlib.Path(corpus).parent / "cache").rglob("*.npy"))
+    assert cache and all(p.stat().st_mode & 0o077 == 0 for p in cache)
     assert json.loads((workdir / "config.json").read_text())["seed"] == "pinned (kept in the checkpoint)"
     # model/ holds the final parameters alone, and load_for_generation reads them: the checkpoint's.
     model, _, _ = training.load_for_generation(workdir)
@@ -452,6 +456,8 @@ def _existing_run_dir(path):
     ({"memory_budget_gb": -1.0}, "config.memory_budget_gb"),
     ({"memory_budget_gb": 1.0, "dp.method": "two_pass"}, "config.memory_budget_gb .*None"),
     ({"memory_budget_gb": 1e-9}, "even micro-batch 1 needs"),
+    ({"dp.delta": 0.5}, r"config.dp.delta \(0.5\) must be below 1/N"),  # attacker review 14: accepted
+    ({"dp.noise_multiplier": 0.035}, None),  # review 14: OverflowError traceback
     ({"seq_len": 16, "model.max_seq_len": 16, "data.validation_fraction": 1e-9}, None),
 ])
 def test_bad_config_is_rejected_before_touching_workdir(corpus, tmp_path, overrides, needle):

@@ -89,6 +89,9 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
             "(two runs with one seed share their noise)", verbose)
     _open_run_dir(p)  # from here on the workdir is written
     model, optimizer, tracker = _build(config, p)
+    # The checkpoints hold the run's root seed (noise, sampling): readable by the owner alone (attacker review 14).
+    (p.workdir / CHECKPOINT_DIR).mkdir(mode=0o700, parents=True, exist_ok=True)
+    (p.workdir / CHECKPOINT_DIR).chmod(0o700)
     checkpointer = Checkpointer(p.workdir / CHECKPOINT_DIR)
     start, rows, tracker = _restore_or_evaluate(config, p, model, optimizer, tracker, checkpointer, verbose)
     initial_val_loss = rows[0]["val_loss"]

@@ -167,6 +167,9 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     if dp.enabled:
         delta, delta_from = ((dp.delta, "config.dp.delta") if dp.delta is not None else
                              (accounting.default_delta(n), "default: min(10^-(number of digits of N + 1), 1e-5)"))
+        _require(delta < 1 / n, f"config.dp.delta ({delta:g}) must be below 1/N = {1 / n:.3g} (N = {n} training "
+                                f"{unit}s): a mechanism that publishes one random {unit} in the clear meets a delta "
+                                "of 1/N; leave it unset for min(10^-(digits of N + 1), 1e-5)")
         # The accountant runs at delta - slack: the slack may take at most delta / 10.
         smallest = _round_batch(config, max_batch_size_for_delta(
             n, config.batch_size, config.steps, dp.target_epsilon, delta))
