@@ -15,6 +15,7 @@ import io
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -196,6 +197,21 @@ def test_run_directory_of_the_pretraining_job(lora_run, init_run):
     finally:
         (init_run / "privacy.json").unlink()
     assert known == "(2, 1e-05)-DP for ..."
+    # review 14: a run-directory init without privacy.json was "unknown" even when its config.json says it ran
+    # without DP on this very data (its tokenizer was then called "not learned from this run's data")
+    original = (init_run / "config.json").read_text()
+    for enabled, path, expected in ((False, p.config.data.path, "none: the init run trained without DP"),
+                                    (True, "/elsewhere.jsonl", "not stated: an unfinished DP run")):
+        (init_run / "config.json").write_text(json.dumps({"model": MODEL, "dtype": "float32",
+                                                          "dp": {"enabled": enabled}, "data": {"path": path}}))
+        try:
+            init = receipt_lib._init_weights(p.config)
+            outside = receipt_lib.privacy_receipt(p.config, p, steps=3, epsilon=1.0,
+                                                  overflowed_steps=0)["outside_the_guarantee"]
+        finally:
+            (init_run / "config.json").write_text(original)
+        assert init["their_guarantee"].startswith(expected) and init["trained_on_this_data"] == (not enabled)
+        assert ("learned from this run's data without privacy" in outside["tokenizer/ (the init's)"]) == (not enabled)
     saved = json.loads((p.workdir / "config.json").read_text())
     assert saved["model"] == MODEL and saved["data"]["tokenizer"] == str((init_run / "tokenizer").resolve())
     assert p.tokenizer.fingerprint == Tokenizer.load(init_run / "tokenizer").fingerprint
@@ -205,10 +221,21 @@ def test_run_directory_of_the_pretraining_job(lora_run, init_run):
 
 
 def test_interrupt_and_resume_equals_uninterrupted(lora_run, task, init_run, tmp_path):
+    """Also (attacker review 14): other init weights under the same finetune.init path are refused on resume
+    (the trainable weights had trained on the old ones; privacy.json would quote the new ones)."""
     p_full, _, _ = lora_run
-    config = config_of(task, init_run, tmp_path / "resumed")
+    init = tmp_path / "init"
+    shutil.copytree(init_run, init)
+    config = config_of(task, init, tmp_path / "resumed")
     _, out = run_job(config, interrupt_after=3)  # checkpoint at 2, metrics of step 3 written
     assert out == {"interrupted_at": 3}
+    params = init / run_dir.MODEL_DIR / run_dir.PARAMS_FILE
+    original = params.read_bytes()
+    mc = training.model_config(MODEL, Tokenizer.load(init / "tokenizer").vocab_size, dtype="float32", remat=False)
+    run_dir.write_model(init / run_dir.MODEL_DIR, training.build_model(mc, 2))
+    with pytest.raises(training.ConfigError, match="init_weights"):
+        run_job(config)
+    params.write_bytes(original)
     p, _ = run_job(config)
     assert (p.workdir / "metrics.jsonl").read_bytes() == (p_full.workdir / "metrics.jsonl").read_bytes()
     full, resumed = flat(checkpoint_model(p_full), nnx.Param), flat(checkpoint_model(p), nnx.Param)

@@ -516,6 +516,9 @@ def test_one_txt_file_corpus_trains(corpus, tmp_path):
     (tmp_path / "book.txt").write_text(text)
     s = training.train(tiny_config(tmp_path / "book.txt", tmp_path / "run", steps=2), verbose=False)
     assert s["steps"] == 2 and np.isfinite(s["val_loss"]) and s["num_train_windows"] > 0
+    # review 14: one paragraph's removal re-cuts the sections after it: privacy.json says what the unit is
+    note = json.loads((tmp_path / "run" / "privacy.json").read_text())["unit_note"]
+    assert "removing one paragraph re-cuts every section after it" in note and ".jsonl" in note
 
 
 def test_pld_is_the_default_accountant_and_needs_less_noise(corpus, tmp_path):

@@ -74,6 +74,7 @@ from jaxdp.training.run_dir import (
     SUMMARY_FILE,
     TOKENIZER_DIR,
     latest_checkpoint_meta,
+    tree_sha256,
 )
 
 
@@ -108,6 +109,9 @@ class Prepared:
     # The per-window loss the step and the validation loss use (`jaxdp.losses`); fine-tuning may count the
     # label only (`completion_losses`). Single-device step only: the sharded step uses `cp_lm_losses`.
     loss_fn: Callable = dataclasses.field(default=lm_losses, repr=False)
+    # Fine-tuning: SHA-256 of the files of config.finetune.init (`tree_sha256`), so that a resume on other
+    # init weights under the same path is refused (attacker review 14); None when pretraining.
+    init_key: str | None = None
 
     def derive_seed(self, domain: str, *path: str | int) -> int:
         """The seed of one use of randomness (`jaxdp.noise.derive_seed` of the root)."""
@@ -211,7 +215,9 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
                  pld_interval=pld_interval,
                  eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
                  delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
-                 max_batch_size_from=max_batch_size_from)
+                 max_batch_size_from=max_batch_size_from,
+                 init_key=tree_sha256(pathlib.Path(str(config.finetune.init)).expanduser())
+                 if "finetune" in config else None)
     return p if meta is None else _continued(p, meta)
 
 
@@ -224,7 +230,8 @@ def mechanism(p: Prepared) -> dict:
     return {**{f"config.{k}": v for k, v in _run_defining(p.config_json).items()},
             "train_data": p.train.data_key, "num_units": p.sampler.num_examples,
             "sampling_probability": p.sampler.sampling_probability, "max_batch_size": p.sampler.max_batch_size,
-            "delta": p.delta, **{k: getattr(p, k) for k in _DERIVED}}
+            "delta": p.delta, **{k: getattr(p, k) for k in _DERIVED},
+            **({} if p.init_key is None else {"init_weights": p.init_key})}
 
 
 def _continued(p: Prepared, meta: dict) -> Prepared:

@@ -21,6 +21,7 @@ import pathlib
 
 from jaxdp import noise as noise_lib
 from jaxdp.clipping import SENSITIVITY_FACTOR
+from jaxdp.corpus import TEXT_SECTION_CHARS
 
 PRIVACY_FILE = "privacy.json"
 
@@ -29,10 +30,22 @@ def _unit_note(config) -> str:
     if unit == "window":
         return (f"{config.seq_len + 1} consecutive tokens of one document (a document is cut into windows, "
                 "its last one padded); text of one person over n windows is protected only by group privacy "
-                "(about n x epsilon)")
+                "(about n x epsilon)") + _txt_note(config)
     who = ("all windows of one document" if unit == "document" else "all documents of one user") + (
         f" (documents with equal '{field}' are one unit)" if field else "")
-    return f"{who}; clipping bounds the summed gradient of the up to {k} windows it gives a step"
+    return f"{who}; clipping bounds the summed gradient of the up to {k} windows it gives a step" + _txt_note(config)
+
+
+def _txt_note(config) -> str:
+    """A single .txt corpus's documents are sections of a cut that one paragraph's removal moves (review 14)."""
+    path = config.data.path
+    if path is None or not str(path).lower().endswith(".txt"):
+        return ""
+    return (f"; data.path is one .txt file, cut into documents of >= {TEXT_SECTION_CHARS} characters of "
+            "consecutive paragraphs (jaxdp.corpus.split_text_file): removing one paragraph re-cuts every "
+            "section after it and can move other paragraphs between train and validation, so the guarantee "
+            "covers the sections of this cut, not paragraphs; for a per-record guarantee give a .jsonl (one "
+            "record per line) or a directory of .txt files (one document each)")
 
 
 _OVERFLOW_NOTE = {  # config.dp.overflow: what a draw above max_batch_size does (jaxdp.sampling)
@@ -61,23 +74,47 @@ OUTSIDE_THE_GUARANTEE = {
 
 
 def _init_weights(config) -> dict | None:
-    """A fine-tuning run's init weights (`config.finetune.init`) and what is known of their privacy."""
+    """A fine-tuning run's init weights (`config.finetune.init`) and what is known of their privacy: their
+    privacy.json, else (attacker review 14) a run directory's config.json, which says whether DP ran and on
+    which data (an init trained on this run's data composes with it)."""
     if "finetune" not in config:
         return None
     init = pathlib.Path(str(config.finetune.init)).expanduser()
-    try:
-        own = json.loads((init / PRIVACY_FILE).read_text())
-    except (OSError, ValueError):
-        own = None
-    if own is None:
-        known = "unknown (no privacy.json: e.g. a published checkpoint, whose privacy is its publisher's)"
-    else:
+    own, run = _read_json(init / PRIVACY_FILE), _read_json(init / "config.json")
+    run = run if run is not None and isinstance(run.get("dp"), dict) else None  # a pretrain_gpt2 run's config
+    if own is not None:
         known = own.get("guarantee") or own.get("note") or "not stated"
-    return {"path": str(init), "their_guarantee": known,
-            "note": "needed to use the model (model/params.npz holds only the trained parameters); epsilon "
-                    "covers the fine-tuning data only. If the init weights were trained on the same private "
-                    "data, the two runs compose: the data's privacy is at best the sum of both epsilons "
-                    "(and deltas)"}
+    elif run is None:
+        known = "unknown (no privacy.json: e.g. a published checkpoint, whose privacy is its publisher's)"
+    elif not run["dp"].get("enabled", True):
+        known = "none: the init run trained without DP (its config.json: dp.enabled = false)"
+    else:
+        known = ("not stated: an unfinished DP run (no privacy.json yet); what it spent is in its checkpoint's "
+                 "accountant, and it adds to this run's epsilon if it trained on the same data")
+    same_data = run is not None and _same_file(run.get("data", {}).get("path"), config.data.path)
+    note = ("needed to use the model (model/params.npz holds only the trained parameters); epsilon covers the "
+            "fine-tuning data only. If the init weights were trained on the same private data, the two runs "
+            "compose: the data's privacy is at best the sum of both epsilons (and deltas)")
+    if same_data:
+        note = ("THE INIT RUN TRAINED ON THIS RUN'S DATA (its config.json names config.data.path): this run's "
+                "guarantee does not cover the model with them; " + note)
+    return {"path": str(init), "their_guarantee": known, "trained_on_this_data": same_data, "note": note}
+
+
+def _read_json(path: pathlib.Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _same_file(a, b) -> bool:
+    try:
+        return a is not None and b is not None and pathlib.Path(str(a)).expanduser().samefile(
+            pathlib.Path(str(b)).expanduser())
+    except OSError:
+        return False
 
 
 def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
@@ -96,7 +133,10 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         given = ["the init weights" + ("" if public_tokenizer else " and their tokenizer")]
         outside = {k: v for k, v in OUTSIDE_THE_GUARANTEE.items() if not k.startswith(("tokenizer/", "samples.txt"))}
         outside["the init weights (config.finetune.init)"] = f"see init_weights: {init['note']}"
-        if not public_tokenizer:
+        if not public_tokenizer and init["trained_on_this_data"]:
+            outside["tokenizer/ (the init's)"] = ("the init run's tokenizer, learned from this run's data without "
+                                                  "privacy: share neither it nor samples.txt")
+        elif not public_tokenizer:
             outside["tokenizer/ (the init's)"] = ("the init checkpoint's own tokenizer, not learned from this run's "
                                                   "data: share it, and samples.txt decoded through it, as the init "
                                                   "weights' source allows")

@@ -200,6 +200,20 @@ def latest_checkpoint_meta(directory: pathlib.Path) -> dict | None:
         checkpointer.close()
 
 
+def tree_sha256(directory) -> str:
+    """SHA-256 (hex) of every regular file under `directory`: relative paths and contents, in sorted order."""
+    import hashlib
+    root = pathlib.Path(directory)
+    digest = hashlib.sha256(b"jaxdp.run_dir.tree_sha256/v1")
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        name = path.relative_to(root).as_posix().encode()
+        digest.update(len(name).to_bytes(8, "little") + name + path.stat().st_size.to_bytes(8, "little"))
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def read_json(path) -> dict | None:
     try:
         return json.loads(pathlib.Path(path).read_text())
