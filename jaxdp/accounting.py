@@ -121,8 +121,20 @@ def _epsilon(sigma: float, q: float, steps: int, delta: float, accountant: str,
     """epsilon() without validation, for the searches below; a pure function, so cached."""
     if steps == 0:
         return 0.0
-    if sigma == 0:
+    if sigma < _SIGMA_NO_PRIVACY:
         return math.inf
+    eps = _accounted_epsilon(sigma, q, steps, delta, accountant, interval)
+    return math.inf if math.isnan(eps) else eps  # a NaN is a numerical failure: the safe answer is inf
+
+
+# Below this noise multiplier epsilon is inf. Attacker review 15: at sigma 1e-160 sigma^2 underflows,
+# dp_accounting's RDP terms (order^2 / (2 sigma^2)) overflow to NaN and it answered 0.0 ("(0, 1e-05)-DP"
+# for no noise); they overflow below ~order x 7e-155. At 1e-100 epsilon is already ~5e200 (q 0.01, 10 steps).
+_SIGMA_NO_PRIVACY = 1e-100
+
+
+def _accounted_epsilon(sigma: float, q: float, steps: int, delta: float, accountant: str,
+                       interval: float) -> float:
     if accountant == "pld" and _pld_mean_loss_bound(sigma, q) * steps <= _PLD_MAX_MEAN_LOSS:
         # What pld.PLDAccountant composes for this event, with the one-step PLD (most of the cost
         # at small sigma) kept for the next call: the tracker asks again at every logged step.

@@ -98,12 +98,19 @@ def secret_seed(bits: int = _SEED_BITS) -> int:
     process 0's, broadcast, so every process samples the same batches and adds the same noise (each
     drew its own before): every process must call it, as SPMD code does."""
     seed = secrets.randbits(bits)
-    if jax.process_count() == 1:
+    if not several_processes():
         return seed
     from jax.experimental import multihost_utils
-    words = np.array([(seed >> (32 * i)) & 0xFFFFFFFF for i in range(bits // 32)], np.uint32)
+    words = np.array([(seed >> (32 * i)) & 0xFFFFFFFF for i in range(-(-bits // 32))], np.uint32)
     words = np.asarray(multihost_utils.broadcast_one_to_all(words))
-    return sum(int(w) << (32 * i) for i, w in enumerate(words))
+    return sum(int(w) << (32 * i) for i, w in enumerate(words)) & ((1 << bits) - 1)
+
+
+def several_processes() -> bool:
+    """Whether this is one of several JAX processes; asks nothing of JAX's backends unless
+    `jax.distributed` is initialized (asking would start them, and a later `jax.distributed.initialize`
+    would then fail: attacker review 15)."""
+    return jax.distributed.is_initialized() and jax.process_count() > 1
 
 
 def derive_seed(root: int, *path: str | int) -> int:
@@ -182,7 +189,7 @@ def init_key(pinned: jax.Array | None, state) -> jax.Array:
         return pinned
     leaves = jax.tree.leaves(state)
     traced = isinstance(jnp.zeros(()), jax.core.Tracer) or any(isinstance(x, jax.core.Tracer) for x in leaves)
-    if traced and jax.process_count() > 1:
+    if traced and several_processes():
         raise ValueError("key=None on several processes: an init under jit / vmap would draw a different "
                          "noise key on each process; init eagerly, or pass key= (one secret key, the same "
                          "on every process)")

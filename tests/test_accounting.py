@@ -282,3 +282,12 @@ def test_tracker_bad_step_count():
         tracker.step(-1)
     with pytest.raises(ValueError, match=r"steps .*>= 0"):
         privacy_budget.BudgetTracker.from_state_dict({**tracker.state_dict(), "steps": -3})
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_vanishing_noise_is_infinite_epsilon(accountant):
+    """Attacker review 15: at sigma 1e-160 dp_accounting's RDP terms overflowed to NaN and epsilon came back
+    0.0 (a job reported "(0, 1e-05)-DP" for no noise); at 1e-200 a ZeroDivisionError. Now inf."""
+    for sigma in (1e-101, 1e-160, 1e-200, 5e-324):
+        assert accounting.epsilon(sigma, 0.01, 10, 1e-5, accountant=accountant) == math.inf
+    assert 1e200 < accounting.epsilon(1e-100, 0.01, 10, 1e-5, accountant=accountant) < math.inf

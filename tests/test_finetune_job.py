@@ -200,8 +200,14 @@ def test_run_directory_of_the_pretraining_job(lora_run, init_run):
     # review 14: a run-directory init without privacy.json was "unknown" even when its config.json says it ran
     # without DP on this very data (its tokenizer was then called "not learned from this run's data")
     original = (init_run / "config.json").read_text()
-    for enabled, path, expected in ((False, p.config.data.path, "none: the init run trained without DP"),
-                                    (True, "/elsewhere.jsonl", "not stated: an unfinished DP run")):
+    copy, other = init_run.parent / "copy.jsonl", init_run.parent / "other.jsonl"
+    copy.write_bytes(pathlib.Path(p.config.data.path).read_bytes())  # review 15: a copy is the same data
+    other.write_text('{"text": "other data"}\n')
+    for enabled, path, expected, same, tokenizer_note in (
+            (False, p.config.data.path, "none: the init run trained without DP", True, "without privacy"),
+            (False, str(copy), "none: the init run trained without DP", True, "without privacy"),
+            (True, str(other), "not stated: an unfinished DP run", False, "not learned from this run's data"),
+            (True, "relative/elsewhere.jsonl", "not stated: an unfinished DP run", "unknown", "could not be compared")):
         (init_run / "config.json").write_text(json.dumps({"model": MODEL, "dtype": "float32",
                                                           "dp": {"enabled": enabled}, "data": {"path": path}}))
         try:
@@ -210,8 +216,8 @@ def test_run_directory_of_the_pretraining_job(lora_run, init_run):
                                                   overflowed_steps=0)["outside_the_guarantee"]
         finally:
             (init_run / "config.json").write_text(original)
-        assert init["their_guarantee"].startswith(expected) and init["trained_on_this_data"] == (not enabled)
-        assert ("learned from this run's data without privacy" in outside["tokenizer/ (the init's)"]) == (not enabled)
+        assert init["their_guarantee"].startswith(expected) and init["trained_on_this_data"] == same, path
+        assert tokenizer_note in outside["tokenizer/ (the init's)"], path
     saved = json.loads((p.workdir / "config.json").read_text())
     assert saved["model"] == MODEL and saved["data"]["tokenizer"] == str((init_run / "tokenizer").resolve())
     assert p.tokenizer.fingerprint == Tokenizer.load(init_run / "tokenizer").fingerprint
@@ -233,7 +239,7 @@ def test_interrupt_and_resume_equals_uninterrupted(lora_run, task, init_run, tmp
     original = params.read_bytes()
     mc = training.model_config(MODEL, Tokenizer.load(init / "tokenizer").vocab_size, dtype="float32", remat=False)
     run_dir.write_model(init / run_dir.MODEL_DIR, training.build_model(mc, 2))
-    with pytest.raises(training.ConfigError, match="init_weights"):
+    with pytest.raises(training.ConfigError, match="trained from other init weights"):
         run_job(config)
     params.write_bytes(original)
     p, _ = run_job(config)
@@ -241,6 +247,26 @@ def test_interrupt_and_resume_equals_uninterrupted(lora_run, task, init_run, tmp
     full, resumed = flat(checkpoint_model(p_full), nnx.Param), flat(checkpoint_model(p), nnx.Param)
     for path in full:
         np.testing.assert_array_equal(resumed[path], full[path])
+
+
+def test_init_fingerprint_follows_symlinks_and_skips_the_run(tmp_path):
+    """Attacker review 15: `tree_sha256` did not enter a symlinked folder (other weights behind
+    init/model -> elsewhere passed the resume check), and a run directory inside the init folder changed the
+    hash with each of its own checkpoints (its resume was refused)."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "params.npz").write_bytes(b"weights A")
+    init = tmp_path / "init"
+    init.mkdir()
+    (init / "config.json").write_text("{}")
+    (init / "model").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (init / "loop").symlink_to(init, target_is_directory=True)  # a cycle is walked once
+    run = init / "finetunes" / "ft1"
+    run.mkdir(parents=True)
+    before = run_dir.tree_sha256(init, exclude=run)
+    (run / "checkpoint").write_bytes(b"step 2")
+    assert run_dir.tree_sha256(init, exclude=run) == before
+    (tmp_path / "elsewhere" / "params.npz").write_bytes(b"weights B")
+    assert run_dir.tree_sha256(init, exclude=run) != before
 
 
 def _unchanged(workdir):

@@ -403,6 +403,7 @@ def test_several_processes_share_one_noise_key_and_seed(monkeypatch):
         sent.append(np.asarray(words))
         return np.full_like(words, 0x01020304)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
     process_0 = sum(0x01020304 << (32 * i) for i in range(8))
     key = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS).init(params).noise_key
@@ -414,3 +415,8 @@ def test_several_processes_share_one_noise_key_and_seed(monkeypatch):
         jax.jit(jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS).init)(params)
     pinned = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=jax.random.key(3))
     assert pinned.init(params).noise_key is not None and len(sent) == 2  # a pinned key is the user's
+    # review 15: 100 bits were broadcast as 3 words (96 bits)
+    assert jaxdp.noise.secret_seed(100) == process_0 % 2**100 and sent[-1].shape == (4,)
+    # review 15: without jax.distributed, process_count() (which starts JAX's backends) is not asked
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    assert not jaxdp.noise.several_processes() and len(sent) == 3

@@ -518,6 +518,7 @@ def test_one_txt_file_corpus_trains(corpus, tmp_path):
     assert s["steps"] == 2 and np.isfinite(s["val_loss"]) and s["num_train_windows"] > 0
     # review 14: one paragraph's removal re-cuts the sections after it: privacy.json says what the unit is
     note = json.loads((tmp_path / "run" / "privacy.json").read_text())["unit_note"]
+    assert (tmp_path / "run").stat().st_mode & 0o077 == 0  # review 15: the run directory was 0755
     assert "removing one paragraph re-cuts every section after it" in note and ".jsonl" in note
 
 

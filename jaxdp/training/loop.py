@@ -167,7 +167,9 @@ class _Throughput:
 def _open_run_dir(p: Prepared) -> None:
     """The run directory with the run's config and tokenizer."""
     workdir = p.workdir
-    workdir.mkdir(parents=True, exist_ok=True)
+    # Created for the owner alone (attacker review 15): its metrics, samples and a trained tokenizer are private
+    # until the user shares what privacy.json says may be shared.
+    workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
     (workdir / CONFIG_FILE).write_text(json.dumps(p.config_json, indent=2, sort_keys=True) + "\n")
     if not (workdir / TOKENIZER_DIR / "tokenizer.json").is_file():
         p.tokenizer.save(workdir / TOKENIZER_DIR)

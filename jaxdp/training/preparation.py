@@ -216,7 +216,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
                  eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
                  delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
                  max_batch_size_from=max_batch_size_from,
-                 init_key=tree_sha256(pathlib.Path(str(config.finetune.init)).expanduser())
+                 init_key=tree_sha256(pathlib.Path(str(config.finetune.init)).expanduser(), exclude=workdir)
                  if "finetune" in config else None)
     return p if meta is None else _continued(p, meta)
 
@@ -242,6 +242,12 @@ def _continued(p: Prepared, meta: dict) -> Prepared:
                                "checked); pass a new --config.workdir to start another run")
     now = mechanism(p)
     diff = [k for k in sorted(set(kept) | set(now)) if not _same(kept.get(k), now.get(k))]
+    if "init_weights" in diff:
+        raise ConfigError(
+            f"workdir {p.workdir} holds a run that trained from other init weights: the files under "
+            f"config.finetune.init ({p.config.finetune.init}) are not those of its checkpoint (a file added, "
+            "removed or changed; or a checkpoint written before init weights were checked); restore them, or "
+            "pass a new --config.workdir")
     if diff:
         changes = "; ".join(f"{k}: {_short(kept.get(k))} -> {_short(now.get(k))}" for k in diff[:6])
         raise ConfigError(

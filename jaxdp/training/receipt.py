@@ -39,7 +39,7 @@ def _unit_note(config) -> str:
 def _txt_note(config) -> str:
     """A single .txt corpus's documents are sections of a cut that one paragraph's removal moves (review 14)."""
     path = config.data.path
-    if path is None or not str(path).lower().endswith(".txt"):
+    if path is None or not str(path).lower().endswith(".txt") or not pathlib.Path(str(path)).is_file():
         return ""
     return (f"; data.path is one .txt file, cut into documents of >= {TEXT_SECTION_CHARS} characters of "
             "consecutive paragraphs (jaxdp.corpus.split_text_file): removing one paragraph re-cuts every "
@@ -81,7 +81,8 @@ def _init_weights(config) -> dict | None:
         return None
     init = pathlib.Path(str(config.finetune.init)).expanduser()
     own, run = _read_json(init / PRIVACY_FILE), _read_json(init / "config.json")
-    run = run if run is not None and isinstance(run.get("dp"), dict) else None  # a pretrain_gpt2 run's config
+    is_run = run is not None and isinstance(run.get("dp"), dict) and (init / "tokenizer").is_dir()
+    run = run if is_run else None  # a pretrain_gpt2 run's config (an HF config.json is not one)
     if own is not None:
         known = own.get("guarantee") or own.get("note") or "not stated"
     elif run is None:
@@ -91,11 +92,13 @@ def _init_weights(config) -> dict | None:
     else:
         known = ("not stated: an unfinished DP run (no privacy.json yet); what it spent is in its checkpoint's "
                  "accountant, and it adds to this run's epsilon if it trained on the same data")
-    same_data = run is not None and _same_file(run.get("data", {}).get("path"), config.data.path)
+    data = run.get("data") if run is not None else None
+    same_data = (_same_data(data.get("path") if isinstance(data, dict) else None, config.data.path, init)
+                 if run is not None else False)  # a published checkpoint: its publisher's data
     note = ("needed to use the model (model/params.npz holds only the trained parameters); epsilon covers the "
             "fine-tuning data only. If the init weights were trained on the same private data, the two runs "
             "compose: the data's privacy is at best the sum of both epsilons (and deltas)")
-    if same_data:
+    if same_data is True:
         note = ("THE INIT RUN TRAINED ON THIS RUN'S DATA (its config.json names config.data.path): this run's "
                 "guarantee does not cover the model with them; " + note)
     return {"path": str(init), "their_guarantee": known, "trained_on_this_data": same_data, "note": note}
@@ -109,12 +112,31 @@ def _read_json(path: pathlib.Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _same_file(a, b) -> bool:
-    try:
-        return a is not None and b is not None and pathlib.Path(str(a)).expanduser().samefile(
-            pathlib.Path(str(b)).expanduser())
-    except OSError:
-        return False
+def _same_data(theirs, ours, init: pathlib.Path) -> bool | str:
+    """Whether the init run's data.path (`theirs`, as its config.json keeps it) holds this run's data file
+    (`ours`): True for the same file, a byte-identical copy, or a folder holding it; False for a readable
+    file of other bytes; "unknown" where that cannot be told (no such path, e.g. relative to another
+    working directory)."""
+    if theirs is None:
+        return "unknown"
+    ours_path = pathlib.Path(str(ours)).expanduser()
+    candidates = [pathlib.Path(str(theirs)).expanduser()]
+    if not candidates[0].is_absolute():
+        candidates.append(init / candidates[0])  # relative to where the init run was started: unknown; try its dir
+    for path in candidates:
+        try:
+            if path.is_dir():
+                return any(f.samefile(ours_path) or _same_bytes(f, ours_path) for f in path.rglob("*") if f.is_file())
+            if path.is_file():
+                return path.samefile(ours_path) or _same_bytes(path, ours_path)
+        except OSError:
+            continue
+    return "unknown"
+
+
+def _same_bytes(a: pathlib.Path, b: pathlib.Path) -> bool:
+    import filecmp
+    return a.stat().st_size == b.stat().st_size and filecmp.cmp(a, b, shallow=False)
 
 
 def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
@@ -133,9 +155,13 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         given = ["the init weights" + ("" if public_tokenizer else " and their tokenizer")]
         outside = {k: v for k, v in OUTSIDE_THE_GUARANTEE.items() if not k.startswith(("tokenizer/", "samples.txt"))}
         outside["the init weights (config.finetune.init)"] = f"see init_weights: {init['note']}"
-        if not public_tokenizer and init["trained_on_this_data"]:
+        if not public_tokenizer and init["trained_on_this_data"] is True:
             outside["tokenizer/ (the init's)"] = ("the init run's tokenizer, learned from this run's data without "
                                                   "privacy: share neither it nor samples.txt")
+        elif not public_tokenizer and init["trained_on_this_data"] == "unknown":
+            outside["tokenizer/ (the init's)"] = ("the init run's tokenizer, learned from its data (its config.json's "
+                                                  "data.path, which could not be compared with this run's): if that "
+                                                  "held this run's data, share neither it nor samples.txt")
         elif not public_tokenizer:
             outside["tokenizer/ (the init's)"] = ("the init checkpoint's own tokenizer, not learned from this run's "
                                                   "data: share it, and samples.txt decoded through it, as the init "

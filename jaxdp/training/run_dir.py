@@ -200,12 +200,22 @@ def latest_checkpoint_meta(directory: pathlib.Path) -> dict | None:
         checkpointer.close()
 
 
-def tree_sha256(directory) -> str:
-    """SHA-256 (hex) of every regular file under `directory`: relative paths and contents, in sorted order."""
+def tree_sha256(directory, exclude=None) -> str:
+    """SHA-256 (hex) of every regular file under `directory`, symlinked folders followed (once each): relative
+    paths and contents, in sorted order; `exclude` (a path, e.g. a run directory inside it) is skipped."""
     import hashlib
     root = pathlib.Path(directory)
+    skip = None if exclude is None else os.path.realpath(exclude)
+    files, seen = [], set()
+    for here, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(here)
+        if real in seen or (skip is not None and (real == skip or real.startswith(skip + os.sep))):
+            dirs[:] = []
+            continue
+        seen.add(real)
+        files += [pathlib.Path(here) / n for n in names if (pathlib.Path(here) / n).is_file()]
     digest = hashlib.sha256(b"jaxdp.run_dir.tree_sha256/v1")
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for path in sorted(files, key=lambda p: p.relative_to(root).as_posix()):
         name = path.relative_to(root).as_posix().encode()
         digest.update(len(name).to_bytes(8, "little") + name + path.stat().st_size.to_bytes(8, "little"))
         with open(path, "rb") as f:

@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from jaxdp import data as data_lib
+from jaxdp import noise as noise_lib
 from jaxdp import reference
 from jaxdp.fused_clip import FusedClipState, fused_clip
 from jaxdp.losses import cp_lm_losses, lm_losses
@@ -65,8 +66,9 @@ def noise_key_variable(optimizer: nnx.Optimizer) -> nnx.Variable:
 
 # Cached: the transformation is stateless, and reusing the same object keeps the
 # optimizer's static graph equal, so the jitted step is not recompiled per run. So
-# the run's noise key is not in it: `make_optimizer` writes it into the state (the
-# secret key fused_clip draws here is only a placeholder, shared by runs).
+# the run's noise key is not in it: `make_optimizer` writes it into the state. fused_clip's own
+# key is a fixed placeholder, overwritten there (drawing a secret one would be a collective on
+# several processes, and refused under compiled_step_bytes's eval_shape: attacker review 15).
 @functools.lru_cache(maxsize=64)
 def _make_tx(k, learning_rate, min_lr_ratio, warmup_steps, steps, b1, b2, weight_decay,
              dp_enabled, l2_norm_clip, noise_multiplier, expected_batch_size, clipping,
@@ -80,7 +82,7 @@ def _make_tx(k, learning_rate, min_lr_ratio, warmup_steps, steps, b1, b2, weight
         return inner
     return optax.chain(
         fused_clip(l2_norm_clip, noise_multiplier, expected_batch_size=expected_batch_size,
-                   key=None, clipping=clipping, clip_fn=clip_fn, strategy=strategy,
+                   key=noise_lib.noise_key_from_seed(0), clipping=clipping, clip_fn=clip_fn, strategy=strategy,
                    accumulation_steps=k, secure_noise=secure_noise),
         inner)
 
