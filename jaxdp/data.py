@@ -279,6 +279,12 @@ def _try_load(path: pathlib.Path, num_docs: int):
         return None  # Unreadable: re-tokenise and overwrite.
     if tokens.ndim != 1 or offsets.shape != (num_docs + 1,) or offsets[-1] != tokens.shape[0]:
         return None
+    for f in (path, _offsets_path(path)):  # written 0644 by versions before attacker review 14: the owner's now
+        try:
+            if f.stat().st_mode & 0o077:
+                os.chmod(f, 0o600)
+        except OSError:
+            pass  # another user's cache: readable to us, not ours to change
     return tokens, offsets.astype(np.int64)
 
 

@@ -91,6 +91,10 @@ def _init_model_and_tokenizer(init: str, kind: str) -> tuple[dict, str]:
             model = dict({"family": "gpt2"}, **run["model"])  # run directories from before `family` are GPT-2
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"config.finetune.init: {path / CONFIG_FILE} is not a run's config ({e!r})") from None
+        if "finetune" in run:  # attacker review 15: a raw KeyError
+            raise ConfigError(f"config.finetune.init {init!r} is a fine-tuning run (its {MODEL_DIR}/ holds only the "
+                              "parameters its method trained): fine-tune from its own finetune.init "
+                              f"({run['finetune'].get('init')!r}) instead")
         if not (path / MODEL_DIR / PARAMS_FILE).is_file() and latest_checkpoint_meta(path / CHECKPOINT_DIR) is None:
             raise ConfigError(f"config.finetune.init {init!r} has no parameters yet (neither {MODEL_DIR}/{PARAMS_FILE} "
                               f"nor a checkpoint in {CHECKPOINT_DIR}/)")

@@ -399,8 +399,12 @@ def test_cache_hit_and_invalidation(bpe, tmp_path):
     assert not first.from_cache and tok.documents_encoded == num_train
     mtime = os.stat(first.cache_path).st_mtime_ns
 
+    # attacker reviews 14 / 15: the private tokens were 0644; a file an older version wrote so is made 0600
+    assert os.stat(first.cache_path).st_mode & 0o077 == 0
+    os.chmod(first.cache_path, 0o644)
     again = data.TokenWindows(_DOCS, tok, 16, **kw)
     assert again.from_cache and tok.documents_encoded == num_train
+    assert os.stat(first.cache_path).st_mode & 0o077 == 0
     assert again.cache_path == first.cache_path
     assert os.stat(first.cache_path).st_mtime_ns == mtime
     np.testing.assert_array_equal(again.get([0, 1]), first.get([0, 1]))

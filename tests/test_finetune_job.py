@@ -249,6 +249,14 @@ def test_interrupt_and_resume_equals_uninterrupted(lora_run, task, init_run, tmp
         np.testing.assert_array_equal(resumed[path], full[path])
 
 
+def test_a_fine_tuning_run_is_not_an_init(lora_run, task, tmp_path):
+    """Attacker review 15: a fine-tuning run directory given as finetune.init failed with a raw KeyError."""
+    p, _, _ = lora_run
+    with pytest.raises(training.ConfigError, match="is a fine-tuning run") as e:
+        finetune_job.prepare(config_of(task, p.workdir, tmp_path / "chained"))
+    assert "\n" not in str(e.value)
+
+
 def test_init_fingerprint_follows_symlinks_and_skips_the_run(tmp_path):
     """Attacker review 15: `tree_sha256` did not enter a symlinked folder (other weights behind
     init/model -> elsewhere passed the resume check), and a run directory inside the init folder changed the
