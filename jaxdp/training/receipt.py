@@ -22,6 +22,7 @@ import pathlib
 from jaxdp import noise as noise_lib
 from jaxdp.clipping import SENSITIVITY_FACTOR
 from jaxdp.corpus import TEXT_SECTION_CHARS
+from jaxdp.training.run_dir import read_json
 
 PRIVACY_FILE = "privacy.json"
 
@@ -80,7 +81,7 @@ def _init_weights(config) -> dict | None:
     if "finetune" not in config:
         return None
     init = pathlib.Path(str(config.finetune.init)).expanduser()
-    own, run = _read_json(init / PRIVACY_FILE), _read_json(init / "config.json")
+    own, run = read_json(init / PRIVACY_FILE), read_json(init / "config.json")
     is_run = run is not None and isinstance(run.get("dp"), dict) and (init / "tokenizer").is_dir()
     run = run if is_run else None  # a pretrain_gpt2 run's config (an HF config.json is not one)
     if own is not None:
@@ -102,14 +103,6 @@ def _init_weights(config) -> dict | None:
         note = ("THE INIT RUN TRAINED ON THIS RUN'S DATA (its config.json names config.data.path): this run's "
                 "guarantee does not cover the model with them; " + note)
     return {"path": str(init), "their_guarantee": known, "trained_on_this_data": same_data, "note": note}
-
-
-def _read_json(path: pathlib.Path) -> dict | None:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _same_data(theirs, ours, init: pathlib.Path) -> bool | str:

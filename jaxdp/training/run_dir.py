@@ -225,10 +225,12 @@ def tree_sha256(directory, exclude=None) -> str:
 
 
 def read_json(path) -> dict | None:
+    """The JSON object in `path`; None when it is missing, unreadable or not an object."""
     try:
-        return json.loads(pathlib.Path(path).read_text())
+        value = json.loads(pathlib.Path(path).read_text())
     except (OSError, ValueError):
         return None
+    return value if isinstance(value, dict) else None
 
 
 def write_plots(workdir, rows: list[dict], *, target_epsilon: float | None = None,
