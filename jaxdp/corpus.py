@@ -76,7 +76,7 @@ def load_corpus(path: str | os.PathLike | None = None, *,
     elif is_jsonl:
         with (gzip.open(p, "rb") if p.name.endswith(".gz") else open(p, "rb")) as f:
             docs, ids = _read_jsonl(f, str(p), id_field)
-    elif p.suffix.lower() == ".txt":
+    elif is_single_text_file(p):
         docs = split_text_file(_read_text(p))
     else:
         raise ValueError(f"unsupported corpus path {p}: expected a .txt file, a directory "
@@ -86,6 +86,12 @@ def load_corpus(path: str | os.PathLike | None = None, *,
     if not docs:
         raise ValueError(f"corpus {p} contains no text")
     return docs, ids
+
+
+def is_single_text_file(path) -> bool:
+    """Whether `load_corpus(path)` reads one .txt file, cut into sections (`split_text_file`)."""
+    p = pathlib.Path(str(path))
+    return p.suffix.lower() == ".txt" and p.is_file()
 
 
 TEXT_SECTION_CHARS = 4096  # a single .txt file is cut into documents of at least this many characters

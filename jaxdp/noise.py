@@ -101,9 +101,13 @@ def secret_seed(bits: int = _SEED_BITS) -> int:
     if not several_processes():
         return seed
     from jax.experimental import multihost_utils
-    words = np.array([(seed >> (32 * i)) & 0xFFFFFFFF for i in range(-(-bits // 32))], np.uint32)
-    words = np.asarray(multihost_utils.broadcast_one_to_all(words))
+    words = np.asarray(multihost_utils.broadcast_one_to_all(_words(seed, -(-bits // 32))))
     return sum(int(w) << (32 * i) for i, w in enumerate(words)) & ((1 << bits) - 1)
+
+
+def _words(value: int, count: int) -> np.ndarray:
+    """The low `count` 32-bit words of `value`, least significant first."""
+    return np.array([(int(value) >> (32 * i)) & 0xFFFFFFFF for i in range(count)], np.uint32)
 
 
 def several_processes() -> bool:
@@ -137,8 +141,7 @@ def key_from_seed(seed: int, impl: str | None = None) -> jax.Array:
     a 256-bit seed fills the key data (64 bits for threefry2x32, 128 for rbg).
     """
     shape = jax.random.key_data(jax.random.key(0, impl=impl)).shape
-    words = [(int(seed) >> (32 * i)) & 0xFFFFFFFF for i in range(int(np.prod(shape)))]
-    return jax.random.wrap_key_data(np.asarray(words, np.uint32).reshape(shape), impl=impl)
+    return jax.random.wrap_key_data(_words(seed, int(np.prod(shape))).reshape(shape), impl=impl)
 
 
 def noise_key_from_seed(seed: int) -> jax.Array:

@@ -89,9 +89,6 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
             "(two runs with one seed share their noise)", verbose)
     _open_run_dir(p)  # from here on the workdir is written
     model, optimizer, tracker = _build(config, p)
-    # The checkpoints hold the run's root seed (noise, sampling): readable by the owner alone (attacker review 14).
-    (p.workdir / CHECKPOINT_DIR).mkdir(mode=0o700, parents=True, exist_ok=True)
-    (p.workdir / CHECKPOINT_DIR).chmod(0o700)
     checkpointer = Checkpointer(p.workdir / CHECKPOINT_DIR)
     start, rows, tracker = _restore_or_evaluate(config, p, model, optimizer, tracker, checkpointer, verbose)
     initial_val_loss = rows[0]["val_loss"]
@@ -165,11 +162,14 @@ class _Throughput:
 
 
 def _open_run_dir(p: Prepared) -> None:
-    """The run directory with the run's config and tokenizer."""
+    """The run directory with the run's config and tokenizer, and its checkpoints/ directory."""
     workdir = p.workdir
     # Created for the owner alone (attacker review 15): its metrics, samples and a trained tokenizer are private
-    # until the user shares what privacy.json says may be shared.
+    # until the user shares what privacy.json says may be shared. The checkpoints hold the run's root seed
+    # (noise, sampling): the owner's alone even in a workdir that existed before (attacker review 14).
     workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (workdir / CHECKPOINT_DIR).mkdir(mode=0o700, exist_ok=True)
+    (workdir / CHECKPOINT_DIR).chmod(0o700)
     (workdir / CONFIG_FILE).write_text(json.dumps(p.config_json, indent=2, sort_keys=True) + "\n")
     if not (workdir / TOKENIZER_DIR / "tokenizer.json").is_file():
         p.tokenizer.save(workdir / TOKENIZER_DIR)

@@ -21,7 +21,7 @@ import pathlib
 
 from jaxdp import noise as noise_lib
 from jaxdp.clipping import SENSITIVITY_FACTOR
-from jaxdp.corpus import TEXT_SECTION_CHARS
+from jaxdp.corpus import TEXT_SECTION_CHARS, is_single_text_file
 from jaxdp.training.run_dir import read_json
 
 PRIVACY_FILE = "privacy.json"
@@ -40,7 +40,7 @@ def _unit_note(config) -> str:
 def _txt_note(config) -> str:
     """A single .txt corpus's documents are sections of a cut that one paragraph's removal moves (review 14)."""
     path = config.data.path
-    if path is None or not str(path).lower().endswith(".txt") or not pathlib.Path(str(path)).is_file():
+    if path is None or not is_single_text_file(path):
         return ""
     return (f"; data.path is one .txt file, cut into documents of >= {TEXT_SECTION_CHARS} characters of "
             "consecutive paragraphs (jaxdp.corpus.split_text_file): removing one paragraph re-cuts every "
