@@ -60,16 +60,22 @@ attacker review 10: exclusion, likelihood and held-out tests matched the ideal
 snapped mechanism on every DP path; noise for a bf16 leaf is drawn and added in
 float32, as its ~4,000 bf16 values leaked 10% more than ideal). It is a
 mitigation, not a floating-point proof, and it costs four draws (GPT-2 small,
-B 4, seq 1024, H100 prediction: +2.0 ms of 9.9). The pretraining job releases only the final parameters, from
+B 4, seq 1024, H100 prediction of the Philox version: +2.0 ms of 9.9). The pretraining job releases only the final parameters, from
 which the exact noisy sums cannot be read back; publish intermediate noisy sums
-only with `secure=True`. Not covered either way: the bits come from XLA's
-RngBitGenerator (Philox), a statistical generator, not a cryptographic one
-(Opacus' `secure_mode` draws from a CSPRNG); its 128-bit key is secret and the
-attacks above never see a noise value exactly once `secure=True` snaps the sum.
+only with `secure=True`.
+
+Where the bits come from. By default, XLA's RngBitGenerator (Philox), a statistical generator:
+fast, but not cryptographic, so whoever recovered its state could predict the noise. Under
+`secure=True` every bit comes from ChaCha20 (`jaxdp.chacha`, a CSPRNG, as Opacus' `secure_mode`
+draws from one): the state key is ratcheted by one ChaCha20 block per logical batch
+(`split_step_key`: next key and the step's noise key), and each leaf reads its own words of the
+step key's streams (`_secure_gaussians`). The secret is the 128-bit key from the operating
+system's entropy (`init_key`), or a pinned one.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import secrets
@@ -79,6 +85,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from jaxdp import chacha
 from jaxdp.clipping import SENSITIVITY_FACTOR
 
 # Domains of the job's randomness (`derive_seed(root, DOMAIN, ...)`).
@@ -91,6 +98,7 @@ UNIT_WINDOWS = "unit_windows"  # which windows of each sampled document / user a
 _SEED_BITS = 128
 SECURE_DRAWS = 4  # normals summed per coordinate under secure=True (their sum / sqrt(4) is N(0, 1))
 SNAP_BITS = 8     # secure=True rounds the released sum to a grid of std / 2^8 .. std / 2^9
+_RATCHET = (0xFFFFFFFF,) * 3  # the ChaCha20 nonce that turns a state key into (next key, step key)
 
 
 def secret_seed(bits: int = _SEED_BITS) -> int:
@@ -211,10 +219,36 @@ def noise_std(l2_norm_clip: float, noise_multiplier: float) -> float:
     return float(noise_multiplier) * float(l2_norm_clip) * SENSITIVITY_FACTOR
 
 
-def split_step_key(key: jax.Array, num_leaves: int) -> tuple[jax.Array, list[jax.Array]]:
-    """(the next state key, one noise key per leaf) for one logical batch."""
-    key, noise_key = jax.random.split(key)
-    return key, list(jax.random.split(noise_key, num_leaves))
+def split_step_key(key: jax.Array, num_leaves: int, secure: bool = False) -> tuple[jax.Array, list[jax.Array]]:
+    """(the next state key, one noise key per leaf) for one logical batch.
+
+    `secure`: both come from one ChaCha20 block of the state key (`jaxdp.chacha`; nonce `_RATCHET`): words
+    0-3 are the next state key, words 4-7 the step's noise key, the same for every leaf (`gaussians` gives
+    each leaf its own part of that key's streams). A state key seen later (a checkpoint) does not give
+    back earlier steps' keys unless ChaCha20 is broken."""
+    if not secure:
+        key, noise_key = jax.random.split(key)
+        return key, list(jax.random.split(noise_key, num_leaves))
+    block = chacha.blocks(jax.random.key_data(key), jnp.asarray(_RATCHET, jnp.uint32), jnp.zeros(1, jnp.uint32))
+    block = jax.lax.optimization_barrier(block)  # else XLA fuses this block into every noise word (compile time)
+    wrap = functools.partial(jax.random.wrap_key_data, impl=NOISE_IMPL)
+    step_key = wrap(block[..., 0, 4:8])
+    return wrap(block[..., 0, :4]), [step_key] * num_leaves
+
+
+def normal_from_bits(bits: jax.Array, dtype) -> jax.Array:
+    """Standard normals from uniformly random uint32 `bits` (float64: two words per value, last axis 2),
+    by `jax.random.normal`'s own transform: sqrt(2) erfinv(u), u uniform on (-1, 1) from the top mantissa
+    bits (23 for float32). `jax.random.normal(k, shape)` equals it on `jax.random.bits(k, shape)`."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 8:
+        bits = (bits[..., 0].astype(jnp.uint64) << 32) | bits[..., 1].astype(jnp.uint64)
+    nbits, nmant = 8 * dtype.itemsize, jnp.finfo(dtype).nmant
+    one = jnp.array(1.0, dtype).view(bits.dtype)
+    floats = jax.lax.bitcast_convert_type((bits >> (nbits - nmant)) | one, dtype) - 1  # [0, 1)
+    lo = np.nextafter(np.array(-1.0, dtype), np.array(0.0, dtype))
+    u = jnp.maximum(lo, floats * (1 - lo) + lo)
+    return np.array(np.sqrt(2), dtype) * jax.lax.erf_inv(u)
 
 
 def gaussians(leaf_keys, leaves, std: float, shards=None, secure: bool = False) -> list[jax.Array]:
@@ -234,6 +268,8 @@ def gaussians(leaf_keys, leaves, std: float, shards=None, secure: bool = False) 
     the same way get the same values (one device and a mesh without ZeRO 2/3 sharding).
     """
     shards = [None] * len(leaves) if shards is None else list(shards)
+    if secure:
+        return _secure_gaussians(leaf_keys, leaves, std, shards)
     groups: dict = {}
     for i, (leaf, shard) in enumerate(zip(leaves, shards)):
         groups.setdefault((tuple(leaf.shape), jnp.dtype(leaf.dtype), shard is None), []).append(i)
@@ -243,14 +279,37 @@ def gaussians(leaf_keys, leaves, std: float, shards=None, secure: bool = False) 
         if not replicated:
             index = [shards[i] for i in members]
             keys = jax.vmap(jax.random.fold_in)(keys, jnp.stack(index))
-        if secure:  # each draw scaled before the sum: a product after it would leave gaps (module docstring)
-            wide = jnp.promote_types(dtype, jnp.float32)  # bf16 draws take ~4,000 values: too few (review 10)
-            draws = jax.vmap(lambda k: (jax.random.normal(k, (SECURE_DRAWS,) + shape, wide) * std).sum(0))(keys)
-            draws = draws * (1 / SECURE_DRAWS ** 0.5)
-        else:
-            draws = std * jax.vmap(lambda k: jax.random.normal(k, shape, dtype))(keys)
+        draws = std * jax.vmap(lambda k: jax.random.normal(k, shape, dtype))(keys)
         for j, i in enumerate(members):
             out[i] = draws[j]
+    return out
+
+
+def _secure_gaussians(leaf_keys, leaves, std: float, shards) -> list[jax.Array]:
+    """`gaussians(secure=True)`: bits from ChaCha20 (`jaxdp.chacha`), never from XLA's Philox.
+
+    Leaves that share one key object (`split_step_key(secure=True)` gives every leaf the step's key), one
+    shard index object and one float width draw from ONE stream, each leaf its own consecutive words:
+    one ChaCha20 fusion for all of GPT-2's replicated leaves (a stream per leaf would compile ~150 of
+    them). The stream's nonce is (0 for replicated / 1 for sharded, the group's first leaf, the shard),
+    so no two groups read the same (key, nonce) stream, even where two leaves get equal keys."""
+    groups: dict = {}
+    for i, (leaf, shard) in enumerate(zip(leaves, shards)):
+        wide = jnp.promote_types(leaf.dtype, jnp.float32)  # bf16 draws take ~4,000 values: too few (review 10)
+        groups.setdefault((id(leaf_keys[i]), id(shard), wide), []).append(i)
+    out = [None] * len(leaves)
+    for (_, _, wide), members in groups.items():
+        first, shard = members[0], shards[members[0]]
+        per_value = SECURE_DRAWS * (2 if jnp.dtype(wide).itemsize == 8 else 1)
+        sizes = [per_value * math.prod(leaves[i].shape) for i in members]
+        nonce = jnp.stack([jnp.uint32(shard is not None), jnp.uint32(first),
+                           jnp.uint32(0) if shard is None else jnp.asarray(shard).astype(jnp.uint32)])
+        words = chacha.stream(jax.random.key_data(leaf_keys[first]), nonce, sum(sizes))
+        offsets = np.cumsum([0] + sizes)
+        for i, lo, hi in zip(members, offsets[:-1], offsets[1:]):
+            bits = words[lo:hi].reshape((SECURE_DRAWS,) + tuple(leaves[i].shape) + ((2,) if per_value > SECURE_DRAWS else ()))
+            # each draw scaled before the sum: a product after it would leave gaps (module docstring)
+            out[i] = (normal_from_bits(bits, wide) * std).sum(0) * (1 / SECURE_DRAWS ** 0.5)
     return out
 
 
@@ -276,7 +335,7 @@ def add_noise(tree, key: jax.Array, std: float, secure: bool = False):
     """(next key, `tree` + independent N(0, std^2) noise on every leaf); std = 0 adds nothing.
     `secure`: see `gaussians` and `release`."""
     leaves, treedef = jax.tree.flatten(tree)
-    key, leaf_keys = split_step_key(key, len(leaves))
+    key, leaf_keys = split_step_key(key, len(leaves), secure)
     if std > 0:
         leaves = [release(s, n, std, secure) for s, n in zip(leaves, gaussians(leaf_keys, leaves, std, secure=secure))]
     return key, jax.tree.unflatten(treedef, leaves)

@@ -259,6 +259,7 @@ class ShardedDPStep:
         leaves, treedef = jax.tree.flatten(sums)
         dims = jax.tree.leaves(layout.grad_dims)
         reduced, shards = [], []
+        shard = jax.lax.axis_index(DATA)  # one object: secure noise draws all sharded leaves from one stream
         for s, d in zip(leaves, dims):
             if d < 0:  # one all-reduce over the whole mesh
                 reduced.append(jax.lax.psum(s, (DATA, SEQ) if cp_axis is not None else DATA))
@@ -266,8 +267,9 @@ class ShardedDPStep:
             else:      # seq partials summed, then reduce-scattered over data
                 s = jax.lax.psum(s, SEQ) if cp_axis is not None else s
                 reduced.append(jax.lax.psum_scatter(s, DATA, scatter_dimension=d, tiled=True))
-                shards.append(jax.lax.axis_index(DATA))
+                shards.append(shard)
         if self.noise_std > 0:
+            leaf_keys = leaf_keys * len(reduced) if len(leaf_keys) == 1 else leaf_keys  # secure: the step's key
             noise = noise_lib.gaussians(leaf_keys, reduced, self.noise_std, shards, secure=self.secure_noise)
             reduced = [noise_lib.release(s, n, self.noise_std, self.secure_noise) for s, n in zip(reduced, noise)]
         out = [s / self.expected_batch_size for s in reduced]
@@ -297,12 +299,14 @@ class ShardedDPStep:
 
     def _step(self, layout: Layout, state: ShardedDPState, batch):
         num_leaves = len(jax.tree.leaves(state.params))
-        key, leaf_keys = noise_lib.split_step_key(state.noise_key, num_leaves)
+        key, leaf_keys = noise_lib.split_step_key(state.noise_key, num_leaves, self.secure_noise)
+        if self.secure_noise:
+            leaf_keys = leaf_keys[:1]  # every leaf's is the step's key: passed once, one stream inside
         batch_specs = jax.tree.map(self.batch_spec, batch)
         local = jax.shard_map(
             functools.partial(self._local, layout), mesh=self.mesh,
             in_specs=(layout.param_specs, jax.tree.map(lambda _: P(), state.rest), batch_specs,
-                      [P()] * num_leaves),
+                      [P()] * len(leaf_keys)),
             out_specs=(P(DATA), layout.grad_specs), check_vma=True)
         losses, grads = local(state.params, state.rest, batch, leaf_keys)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)

@@ -191,9 +191,11 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
             "noise_added": "once per logical batch (accumulation over micro-batches adds none)",
             "noise_sampler": ("each value the sum of 4 float32 normals scaled by the std, / 2 (Opacus' secure_mode), "
                               "the noisy sum rounded to a grid of ~std / 2^8 (snapping): a mitigation of "
-                              "floating-point attacks, not a proof" if dp.secure_noise else
-                              "one float32 normal per value (23 random bits: attackable by whoever sees an exact "
-                              "noisy sum; this run releases only the final parameters; README)"),
+                              "floating-point attacks, not a proof; random bits from ChaCha20 (a CSPRNG)"
+                              if dp.secure_noise else
+                              "one float32 normal per value (23 random bits from XLA's Philox, a statistical "
+                              "generator: attackable by whoever sees an exact noisy sum; this run releases only "
+                              "the final parameters; README)"),
         },
         "sampling": {
             "method": f"Poisson: each {unit} independently with probability q at every step" + (
