@@ -10,10 +10,12 @@ Black box: m random-token sequences, each added to the default config's
 training windows with probability 1/2; one DP-Adam run of `config.steps`
 steps at `config.batch_size`, sigma calibrated to `config.dp.target_epsilon`;
 each canary scored by its loss drop. White box: m gradient canaries on the
-real DP step (`jaxdp.audit_runs.white_box_audit`). Either way the claim is the
-accountant's epsilon and the audit's 95% lower bound must not exceed it; one
-that does is evidence of a bug. A bound below the claim proves nothing. The
-logic lives in `jaxdp.auditing` and `jaxdp.audit_runs`.
+real DP step (`jaxdp.audit_runs.white_box_audit`). Either way the step runs
+the config's clipping, clip_fn, secure_noise and accountant, the claim is the
+accountant's epsilon (default 2: a claim of 8 is beyond what 1,000 canaries can
+ever show, the "max attainable" line) and the audit's 95% lower bound must not
+exceed it; one that does is evidence of a bug. A bound below the claim proves
+nothing. The logic lives in `jaxdp.auditing` and `jaxdp.audit_runs`.
 """
 
 import os
@@ -48,7 +50,14 @@ def _black_box(config):
         batch_size=config.batch_size, target_epsilon=config.dp.target_epsilon,
         noise_multiplier=config.dp.noise_multiplier, delta=config.dp.delta, l2_norm_clip=config.dp.l2_norm_clip,
         learning_rate=config.learning_rate, bug=config.audit.bug, confidence=config.audit.confidence,
-        seed=config.seed, progress=progress), f"{n} windows, {config.model.family} d={config.model.d_model}"
+        overflow=config.dp.overflow, seed=config.seed, progress=progress, **_mechanism(config)), \
+        f"{n} windows, {config.model.family} d={config.model.d_model}"
+
+
+def _mechanism(config) -> dict:
+    """The audited run's clipping, clip function, noise and accountant: the audit runs them, not defaults."""
+    dp = config.dp
+    return dict(clipping=dp.clipping, clip_fn=dp.clip_fn, secure_noise=dp.secure_noise, accountant=config.accountant)
 
 
 def _white_box(config):
@@ -57,7 +66,8 @@ def _white_box(config):
         num_canaries=config.audit.num_canaries, num_examples=config.audit.white_box_examples,
         steps=config.audit.white_box_steps, target_epsilon=config.dp.target_epsilon,
         noise_multiplier=config.dp.noise_multiplier, delta=config.dp.delta, l2_norm_clip=config.dp.l2_norm_clip,
-        bug=config.audit.bug, confidence=config.audit.confidence, seed=config.seed)
+        sampling_probability=config.audit.white_box_sampling_rate, bug=config.audit.bug,
+        confidence=config.audit.confidence, seed=config.seed, **_mechanism(config))
     return result, f"{config.audit.white_box_examples} synthetic records, softmax regression"
 
 
@@ -75,14 +85,24 @@ def main(argv):
         print(f"error: config.privacy.unit must be 'window' (the audit inserts canary windows), "
               f"got {config.privacy.unit!r}", file=sys.stderr)
         return 2
-    start = time.time()
-    try:
+    if not config.dp.enabled or config.dp.method != "bookkeeping":
+        print(f"error: config.dp.enabled must be True and config.dp.method 'bookkeeping' (the audit runs the "
+              f"one-backward DP step), got {config.dp.enabled!r} / {config.dp.method!r}", file=sys.stderr)
+        return 2
+    from jaxdp.training import receipt
+    try:  # before the audit: a bad record_in must not cost a whole run
+        if config.audit.record_in is not None:
+            receipt.audit_target(config.audit.record_in)
+        start = time.time()
         result, data_desc = kinds[config.audit.kind](config)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     a = result.audit
     verdict = ("EXCEEDS the claim: evidence of a privacy bug" if a.epsilon > result.claimed_epsilon else
+               f"CANNOT DETECT anything: the largest bound this audit can reach ({a.max_epsilon:.4g}) is <= the "
+               "claim; use more canaries or a smaller config.dp.target_epsilon"
+               if a.max_epsilon <= result.claimed_epsilon else
                "within the claim (a lower bound: this does not prove the claim)")
     print("\n".join([
         f"one-run audit ({config.audit.kind}, bug={result.bug}; {data_desc})",
@@ -90,15 +110,16 @@ def main(argv):
         f"q {result.sampling_probability:.4g}, {result.steps} steps, delta {result.delta:g})",
         f"  lower bound      {a.epsilon:.4g}  at {a.confidence:.0%} ({a.num_correct}/{a.num_guesses} guesses "
         f"correct, k+={a.k_plus} k-={a.k_minus}, {a.num_hypotheses} guesses tried)",
+        f"  max attainable   {a.max_epsilon:.4g}  (every guess right)",
         f"  canaries         {a.num_canaries} ({a.num_included} included)",
         f"  verdict          {verdict}",
         f"  time             {time.time() - start:.1f} s",
     ]), flush=True)
     if config.audit.record_in is not None:
-        from jaxdp.training import receipt
+        data = config.data.path if config.audit.kind == "black_box" else None
         try:
-            receipt.record_audit(config.audit.record_in, result, config.audit.kind)
-        except ValueError as e:
+            receipt.record_audit(config.audit.record_in, result, config.audit.kind, data=data)
+        except (ValueError, OSError) as e:
             print(f"error: config.audit.record_in: {e}", file=sys.stderr)
             return 2
         print(f"  recorded in      {os.path.join(config.audit.record_in, receipt.PRIVACY_FILE)}", flush=True)

@@ -14,7 +14,8 @@ CLIPPED gradient with the total parameter change, sign-flipped so that
 "trained on" scores high (`jaxdp.auditing.gradient_scores`).
 
 The run claims epsilon = `jaxdp.accounting.epsilon(sigma, q, steps, delta)`
-(PLD). `bug` plants a privacy bug the claim does not know about, to show that
+(PLD unless `accountant="rdp"`); clipping, clip_fn and secure_noise are the
+audited run's (`jaxdp.fused_clip`'s arguments). `bug` plants a privacy bug the claim does not know about, to show that
 the audit can fail:
 
   "none"         the correct step.
@@ -63,6 +64,8 @@ class WhiteBoxAudit:
     bug: str
     scores: np.ndarray            # (m,)
     included: np.ndarray          # (m,) bool
+    mechanism: dict               # clipping, clip_fn, secure_noise, accountant, l2_norm_clip (`_mechanism`)
+    seed_pinned: bool             # a seed was given: its noise is as secret as that seed
 
 
 class _SoftmaxRegression(nnx.Module):
@@ -98,20 +101,39 @@ def _with_canaries(grads, x_M1P, g_M1D):
     return jax.tree.map(extend, grads, is_leaf=is_factored)
 
 
-def _privatizer(bug: str, l2_norm_clip: float, noise_multiplier: float, expected_batch_size: float, key):
+def _privatizer(bug: str, l2_norm_clip: float, noise_multiplier: float, expected_batch_size: float, key,
+                mechanism: dict):
+    """fused_clip as the audited run has it (`mechanism`: clipping, clip_fn, secure_noise), with `bug` planted."""
+    kw = dict(expected_batch_size=expected_batch_size, key=key, clipping=mechanism["clipping"],
+              clip_fn=mechanism["clip_fn"], secure_noise=mechanism["secure_noise"])
     if bug == "none":
-        return fused_clip(l2_norm_clip, noise_multiplier, expected_batch_size=expected_batch_size, key=key)
+        return fused_clip(l2_norm_clip, noise_multiplier, **kw)
     if bug == "half_noise":
-        return fused_clip(l2_norm_clip, noise_multiplier / 2, expected_batch_size=expected_batch_size, key=key)
-    return fused_clip(l2_norm_clip * _NO_CLIP_FACTOR, noise_multiplier / _NO_CLIP_FACTOR,
-                      expected_batch_size=expected_batch_size, key=key)
+        return fused_clip(l2_norm_clip, noise_multiplier / 2, **kw)
+    return fused_clip(l2_norm_clip * _NO_CLIP_FACTOR, noise_multiplier / _NO_CLIP_FACTOR, **kw)
+
+
+def _mechanism(clipping: str, clip_fn: str, secure_noise: bool, accountant: str, l2_norm_clip: float) -> dict:
+    """What the audit ran, as `jaxdp.training.receipt.record_audit` compares it with a run's receipt."""
+    if accountant not in accounting.ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {accounting.ACCOUNTANTS}, got {accountant!r}")
+    return {"clipping": clipping, "clip_fn": clip_fn, "secure_noise": bool(secure_noise),
+            "accountant": accountant, "l2_norm_clip": float(l2_norm_clip)}
+
+
+def _claim(target_epsilon, noise_multiplier, q, steps, delta, accountant) -> tuple[float, float]:
+    """(sigma, the claimed epsilon): sigma calibrated to `target_epsilon` unless given."""
+    sigma = (calibration.calibrate_noise_multiplier(target_epsilon, q, steps, delta, accountant=accountant)
+             if noise_multiplier is None else float(noise_multiplier))
+    return sigma, accounting.epsilon(sigma, q, steps, delta, accountant=accountant)
 
 
 def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: int = 4,
                     sampling_probability: float = 1.0, target_epsilon: float = 2.0,
                     noise_multiplier: float | None = None, delta: float = 1e-5, l2_norm_clip: float = 1.0,
-                    canary_norm: float = 10.0, learning_rate: float = 1.0, bug: str = "none",
-                    ks=None, confidence: float = auditing.DEFAULT_CONFIDENCE,
+                    canary_norm: float | None = None, learning_rate: float = 1.0, bug: str = "none",
+                    ks=None, confidence: float = auditing.DEFAULT_CONFIDENCE, clipping: str = "flat",
+                    clip_fn: str = "abadi", secure_noise: bool = False, accountant: str = "pld",
                     seed: int | None = None) -> WhiteBoxAudit:
     """Trains once with gradient canaries and returns the one-run audit's epsilon lower bound.
 
@@ -125,11 +147,13 @@ def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: 
       noise_multiplier: sigma; 0 is no noise (the claim is then infinite).
       delta: of the claim and of the audit.
       l2_norm_clip: C.
-      canary_norm: norm of each canary's gradient (> C, so that clipping matters).
+      canary_norm: norm of each canary's gradient; None: 10 C (> C, so that skipped clipping shows).
       learning_rate: of optax.sgd.
       bug: one of `BUGS`: a planted privacy bug the claim ignores.
       ks: (k_plus, k_minus) guesses tried (union bound); None: `jaxdp.auditing.default_guesses(m)`.
       confidence: of the lower bound.
+      clipping, clip_fn, secure_noise: `jaxdp.fused_clip`'s, as the audited run has them.
+      accountant: of the claim ("pld" | "rdp").
       seed: pins the inclusion, data, sampling and noise; None draws a secret one.
 
     Returns:
@@ -142,12 +166,12 @@ def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: 
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if not 0 < sampling_probability <= 1:
         raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}")
+    canary_norm = 10 * l2_norm_clip if canary_norm is None else canary_norm
     if not canary_norm > 0:
         raise ValueError(f"canary_norm must be > 0, got {canary_norm!r}")
+    mechanism = _mechanism(clipping, clip_fn, secure_noise, accountant, l2_norm_clip)
     q, m, n = float(sampling_probability), num_canaries, num_examples
-    sigma = (calibration.calibrate_noise_multiplier(target_epsilon, q, steps, delta, accountant="pld")
-             if noise_multiplier is None else float(noise_multiplier))
-    claimed = accounting.epsilon(sigma, q, steps, delta, accountant="pld")
+    sigma, claimed = _claim(target_epsilon, noise_multiplier, q, steps, delta, accountant)
     rng = np.random.default_rng(secret_seed() if seed is None else seed)
     included = auditing.draw_inclusion(m, rng)
 
@@ -159,7 +183,8 @@ def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: 
     model = _SoftmaxRegression(side, side, rngs=nnx.Rngs(int(rng.integers(2**31))))
     expected_batch_size = q * (n + m / 2)
     key = jax.random.key(int(rng.integers(2**31)))
-    tx = optax.chain(_privatizer(bug, l2_norm_clip, sigma, expected_batch_size, key), optax.sgd(learning_rate))
+    tx = optax.chain(_privatizer(bug, l2_norm_clip, sigma, expected_batch_size, key, mechanism),
+                     optax.sgd(learning_rate))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     kernel_before = np.asarray(model.linear.kernel[...])
     grads_fn = per_example_grads(_losses)
@@ -182,7 +207,8 @@ def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: 
     scores = -min(canary_norm, l2_norm_clip) * change[p_M, d_M]
     audit = auditing.epsilon_lower_bound(scores, included, delta=delta, ks=ks, confidence=confidence)
     return WhiteBoxAudit(audit=audit, claimed_epsilon=claimed, noise_multiplier=sigma, sampling_probability=q,
-                         steps=steps, delta=delta, bug=bug, scores=scores, included=included)
+                         steps=steps, delta=delta, bug=bug, scores=scores, included=included,
+                         mechanism=mechanism, seed_pinned=seed is not None)
 
 
 # ------------------------------------------------------------------ black box: random-token canaries
@@ -203,6 +229,8 @@ class BlackBoxAudit:
     canaries: np.ndarray          # (m, T + 1) int32 token sequences
     loss_before: np.ndarray       # (m,) the canaries' mean next-token loss under the initial model
     loss_after: np.ndarray
+    mechanism: dict
+    seed_pinned: bool
 
 
 def random_token_canaries(num_canaries: int, length: int, vocab_size: int, rng: np.random.Generator) -> np.ndarray:
@@ -231,8 +259,9 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, 
                     steps: int = 100, batch_size: float = 32, target_epsilon: float = 2.0,
                     noise_multiplier: float | None = None, delta: float = 1e-5, l2_norm_clip: float = 1.0,
                     learning_rate: float = 3e-3, bug: str = "none", ks=None,
-                    confidence: float = auditing.DEFAULT_CONFIDENCE, seed: int | None = None,
-                    progress=None) -> BlackBoxAudit:
+                    confidence: float = auditing.DEFAULT_CONFIDENCE, clipping: str = "flat",
+                    clip_fn: str = "abadi", secure_noise: bool = False, accountant: str = "pld",
+                    overflow: str = "truncate", seed: int | None = None, progress=None) -> BlackBoxAudit:
     """DP-Adam on `windows` plus random-token canaries, scored by their loss drop (black box).
 
     The canaries have the windows' length; the records (the n windows and the included
@@ -247,6 +276,7 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, 
       model: a `jaxdp.models` language model `model(tokens_BT) -> logits_BTV`; trained in place.
       windows: (n, T + 1) int token windows (the training data).
       vocab_size: of the canaries' uniform tokens.
+      overflow: the sampler's (`jaxdp.sampling.OVERFLOW_MODES`).
       Other arguments as `white_box_audit`; `progress(step)` is called after every step.
 
     Returns:
@@ -264,13 +294,12 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, 
     canaries = random_token_canaries(m, windows.shape[1], vocab_size, rng)
     included = auditing.draw_inclusion(m, rng)
     records = np.concatenate([windows, canaries[included]]).astype(np.int32)
+    mechanism = _mechanism(clipping, clip_fn, secure_noise, accountant, l2_norm_clip)
     q = batch_size / (n + m / 2)
-    sigma = (calibration.calibrate_noise_multiplier(target_epsilon, q, steps, delta, accountant="pld")
-             if noise_multiplier is None else float(noise_multiplier))
-    claimed = accounting.epsilon(sigma, q, steps, delta, accountant="pld")
-    sampler = PoissonSampler(len(records), q * len(records), seed=int(rng.integers(2**62)))
+    sigma, claimed = _claim(target_epsilon, noise_multiplier, q, steps, delta, accountant)
+    sampler = PoissonSampler(len(records), q * len(records), seed=int(rng.integers(2**62)), overflow=overflow)
     key = jax.random.key(int(rng.integers(2**31)))
-    tx = optax.chain(_privatizer(bug, l2_norm_clip, sigma, batch_size, key), optax.adam(learning_rate))
+    tx = optax.chain(_privatizer(bug, l2_norm_clip, sigma, batch_size, key, mechanism), optax.adam(learning_rate))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     loss_before = _canary_losses(model, canaries, sampler.max_batch_size)
     grads_fn = per_example_grads(lm_losses)
@@ -290,4 +319,5 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, 
     audit = auditing.epsilon_lower_bound(scores, included, delta=delta, ks=ks, confidence=confidence)
     return BlackBoxAudit(audit=audit, claimed_epsilon=claimed, noise_multiplier=sigma, sampling_probability=q,
                          steps=steps, delta=delta, bug=bug, scores=scores, included=included,
-                         canaries=canaries, loss_before=loss_before, loss_after=loss_after)
+                         canaries=canaries, loss_before=loss_before, loss_after=loss_after,
+                         mechanism=mechanism, seed_pinned=seed is not None)

@@ -166,8 +166,20 @@ def default_guesses(num_canaries: int) -> list[tuple[int, int]]:
     large k when the scores separate well (up to about log(r / 3) for r guesses).
     """
     m = int(num_canaries)
+    if m < 2:
+        return [(1, 0)]
     ks = [(k, 0) for k in dict.fromkeys((m // 1000, m // 200, m // 50, m // 10)) if k >= 10]
     return ks + [(max(1, m // 4), max(1, m // 4))]
+
+
+def max_epsilon(num_canaries: int, ks: Sequence[tuple[int, int]], *, delta: float,
+                confidence: float = DEFAULT_CONFIDENCE) -> float:
+    """The largest bound an audit with these guesses can give: every guess right (a fully non-private run).
+
+    A claim at or above it cannot be caught by this audit, whatever the run does (m = 1000 at delta
+    1e-5: 4.75); raise m or lower the audited claim."""
+    each = 1 - (1 - confidence) / len(ks)
+    return max(one_run_epsilon(num_canaries, kp + km, kp + km, delta=delta, confidence=each) for kp, km in ks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +195,7 @@ class AuditResult:
     delta: float
     confidence: float
     num_hypotheses: int     # (k_plus, k_minus) pairs tried; the confidence was split over them
+    max_epsilon: float      # the bound with every guess right (`max_epsilon`): claims >= it go undetected
 
 
 def epsilon_lower_bound(scores: np.ndarray, included: np.ndarray, *, delta: float,
@@ -209,11 +222,15 @@ def epsilon_lower_bound(scores: np.ndarray, included: np.ndarray, *, delta: floa
         raise ValueError(f"included must be a bool array shaped like scores {scores.shape}, "
                          f"got {included.dtype} {included.shape}")
     _check_unit("confidence", confidence)
+    if scores.ndim != 1:
+        raise ValueError(f"scores must be a 1-D array (one score per canary), got shape {scores.shape}")
     m = scores.shape[0]
     if ks is not None and k_plus is not None:
         raise ValueError("pass either ks (several guesses, union bound) or k_plus / k_minus, not both")
     if ks is None:
         ks = default_guesses(m) if k_plus is None else [(k_plus, k_minus)]
+    if not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for pair in ks for k in pair):
+        raise ValueError(f"ks must be (k_plus, k_minus) pairs of integers, got {ks!r}")
     ks = [(int(a), int(b)) for a, b in ks]
     if not ks:
         raise ValueError("ks must name at least one (k_plus, k_minus) pair")
@@ -228,4 +245,5 @@ def epsilon_lower_bound(scores: np.ndarray, included: np.ndarray, *, delta: floa
     eps, kp, km, correct = best
     return AuditResult(epsilon=eps, k_plus=kp, k_minus=km, num_guesses=kp + km, num_correct=correct,
                        num_canaries=m, num_included=int(included.sum()), delta=float(delta),
-                       confidence=float(confidence), num_hypotheses=len(ks))
+                       confidence=float(confidence), num_hypotheses=len(ks),
+                       max_epsilon=max_epsilon(m, ks, delta=delta, confidence=confidence))

@@ -49,10 +49,13 @@ def test_no_noise_bound_far_above_claim(correct):
     assert result.audit.epsilon > 2 * correct.claimed_epsilon, result.audit
 
 
-def test_skipped_clipping_bound_above_claim(sigma):
-    result = _audit(sigma, bug="no_clipping")
+@pytest.mark.parametrize("l2_norm_clip", [1.0, 20.0])
+def test_skipped_clipping_bound_above_claim(sigma, l2_norm_clip):
+    """At any C: the canaries' norm is 10 C (attacker review 16: a fixed 10 was never clipped at C >= 10)."""
+    result = _audit(sigma, bug="no_clipping", l2_norm_clip=l2_norm_clip)
     assert result.claimed_epsilon == pytest.approx(CLAIM, rel=1e-3)  # the claim does not know the bug
     assert result.audit.epsilon > CLAIM, result.audit
+    assert result.audit.max_epsilon > CLAIM
 
 
 def test_halved_noise_raises_the_bound(sigma, correct):
@@ -98,23 +101,100 @@ def test_errors_name_the_argument(kwargs, name):
         audit_runs.white_box_audit(**kwargs)
 
 
-def test_audit_is_recorded_in_the_receipt(correct, sigma, tmp_path):
-    """The lower bound goes into a DP run's privacy.json; a planted-bug or noiseless audit, or a non-DP
-    receipt, is refused."""
-    receipt.write_privacy_receipt(tmp_path, {"dp": True, "epsilon": 1.5, "audit_lower_bound": None})
+def _run_receipt(tmp_path, **mechanism) -> None:
+    receipt.write_privacy_receipt(tmp_path, {
+        "dp": True, "epsilon": 2.5, "delta": 1e-5, "accountant": "pld", "audits": [],
+        "mechanism": {"clipping": "flat", "clip_fn": "abadi", "secure_noise": False, **mechanism}})
+
+
+def test_audit_is_recorded_in_the_receipt(correct, tmp_path):
+    """Every audit is appended to a DP run's privacy.json with its own claim, bound and ceiling; a resumed
+    run's rewrite keeps them. Refused (attacker reviews 11 and 16): a planted bug, no noise, a claim above
+    the run's epsilon, an audit that could not have caught anything, another mechanism, a pinned-seed audit
+    of the run's own data, a non-DP or malformed receipt, a symlink. An audit of the run's data composes."""
+    _run_receipt(tmp_path)
     receipt.record_audit(tmp_path, correct, "white_box")
-    written = json.loads((tmp_path / receipt.PRIVACY_FILE).read_text())
-    assert written["audit_lower_bound"] == correct.audit.epsilon and written["epsilon"] == 1.5
-    assert written["audit"]["claimed_epsilon"] == pytest.approx(CLAIM, rel=1e-3)
-    assert written["audit"]["kind"] == "white_box" and written["audit"]["num_canaries"] == 2000
-    with pytest.raises(ValueError, match="planted bug"):
-        receipt.record_audit(tmp_path, dataclasses.replace(correct, bug="half_noise"), "white_box")
-    # Attacker review 11: a noiseless audit (claimed epsilon inf) on private data went into the receipt.
-    with pytest.raises(ValueError, match="noise_multiplier 0 .*without a finite claim"):
-        receipt.record_audit(tmp_path, dataclasses.replace(correct, noise_multiplier=0.0,
-                                                            claimed_epsilon=float("inf")), "white_box")
-    receipt.write_privacy_receipt(tmp_path, {"dp": False})
-    with pytest.raises(ValueError, match="non-DP"):
-        receipt.record_audit(tmp_path, correct, "white_box")
+    written = receipt.record_audit(tmp_path, correct, "white_box")  # a second audit does not replace the first
+    assert written["epsilon"] == 2.5 and len(written["audits"]) == 2 and "guarantee_with_audits" not in written
+    entry = written["audits"][0]
+    assert entry["lower_bound"] == correct.audit.epsilon and entry["claimed_epsilon"] == pytest.approx(CLAIM, rel=1e-3)
+    assert entry["max_attainable"] > CLAIM and entry["exceeds_claim"] is False and entry["trained_on_run_data"] is False
+    assert entry["kind"] == "white_box" and entry["num_canaries"] == 2000 and entry["clip_fn"] == "abadi"
+    refused = [
+        (dataclasses.replace(correct, bug="half_noise"), "planted bug"),
+        (dataclasses.replace(correct, noise_multiplier=0.0, claimed_epsilon=float("inf")), "without a finite claim"),
+        (dataclasses.replace(correct, claimed_epsilon=3.0), "above this run's 2.5"),
+        (dataclasses.replace(correct, audit=dataclasses.replace(correct.audit, max_epsilon=1.9)), "could not have"),
+        (dataclasses.replace(correct, mechanism={**correct.mechanism, "clip_fn": "automatic"}), "clip_fn 'automatic'"),
+        (dataclasses.replace(correct, mechanism={**correct.mechanism, "accountant": "rdp"}), "accountant 'rdp'"),
+    ]
+    for result, match in refused:
+        with pytest.raises(ValueError, match=match):
+            receipt.record_audit(tmp_path, result, "white_box")
+    # A black-box audit of the run's own data: refused with a pinned seed; else it composes with the run.
+    data = tmp_path / "private.jsonl"
+    data.write_text('{"text": "a private record"}\n')
+    (tmp_path / "config.json").write_text(json.dumps({"data": {"path": str(data)}}))
+    with pytest.raises(ValueError, match="pinned seed"):
+        receipt.record_audit(tmp_path, correct, "black_box", data=str(data))
+    written = receipt.record_audit(tmp_path, dataclasses.replace(correct, seed_pinned=False), "black_box", data=str(data))
+    assert written["audits"][-1]["trained_on_run_data"] is True
+    assert written["guarantee_with_audits"].startswith(f"({2.5 + correct.claimed_epsilon:.6g}, 2e-05)-DP")
+    _run_receipt(tmp_path)  # the run rewrites its receipt (a resume): the audits and the composition stay
+    kept = json.loads((tmp_path / receipt.PRIVACY_FILE).read_text())
+    assert len(kept["audits"]) == 3 and "guarantee_with_audits" in kept
+    for content, match in (([1, 2], "not a JSON object"), ({"dp": "false"}, "non-DP"),
+                           ({"dp": True, "epsilon": None}, "no finite epsilon")):
+        (tmp_path / receipt.PRIVACY_FILE).write_text(json.dumps(content))
+        with pytest.raises(ValueError, match=match):
+            receipt.record_audit(tmp_path, correct, "white_box")
     with pytest.raises(ValueError, match="no privacy.json"):
         receipt.record_audit(tmp_path / "elsewhere", correct, "white_box")
+
+
+def test_receipt_writes_are_atomic_and_refuse_symlinks(tmp_path, monkeypatch):
+    """A write that fails midway (a full disk) leaves the old receipt whole; a symlinked privacy.json (another
+    run's) is written through by neither the run nor an audit (attacker review 16)."""
+    import os
+    _run_receipt(tmp_path)
+    before = (tmp_path / receipt.PRIVACY_FILE).read_text()
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        receipt.write_privacy_receipt(tmp_path, {"dp": False})
+    monkeypatch.undo()
+    assert (tmp_path / receipt.PRIVACY_FILE).read_text() == before
+    other = tmp_path / "other"
+    other.mkdir()
+    _run_receipt(other)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / receipt.PRIVACY_FILE).symlink_to(other / receipt.PRIVACY_FILE)
+    with pytest.raises(ValueError, match="symlink"):
+        receipt.write_privacy_receipt(tmp_path / "mine", {"dp": False})
+    with pytest.raises(ValueError, match="symlink"):
+        receipt.audit_target(tmp_path / "mine")
+
+
+def test_the_audit_runs_the_audited_mechanism(monkeypatch):
+    """clipping, clip_fn, secure_noise and the accountant reach fused_clip and the claim (attacker review 16:
+    the audit ran flat, Abadi, plain noise and PLD whatever the run had)."""
+    seen = {}
+    real = audit_runs.fused_clip
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(audit_runs, "fused_clip", spy)
+    mechanism = dict(clipping="per_layer", clip_fn="automatic", secure_noise=True, accountant="rdp")
+    result = audit_runs.white_box_audit(num_canaries=64, steps=2, sampling_probability=0.5, noise_multiplier=1.0,
+                                        seed=0, **mechanism)
+    assert {k: seen[k] for k in ("clipping", "clip_fn", "secure_noise")} == {
+        k: mechanism[k] for k in ("clipping", "clip_fn", "secure_noise")}
+    assert result.mechanism == {**mechanism, "l2_norm_clip": 1.0}
+    assert result.claimed_epsilon == pytest.approx(accounting.epsilon(1.0, 0.5, 2, 1e-5, accountant="rdp"))
+    with pytest.raises(ValueError, match="accountant"):
+        audit_runs.white_box_audit(num_canaries=64, accountant="moments")

@@ -153,7 +153,7 @@ def test_privacy_receipt_states_what_ran_and_holds_no_secret(reference_run):
     workdir, summary = reference_run
     r = json.loads((workdir / receipt.PRIVACY_FILE).read_text())
     for key in ("unit", "adjacency", "accountant", "steps", "delta", "delta_from", "epsilon", "mechanism",
-                "sampling", "audit_lower_bound", "outside_the_guarantee", "randomness"):
+                "sampling", "audits", "outside_the_guarantee", "randomness"):
         assert key in r, key
     m, smp = r["mechanism"], r["sampling"]
     assert {"clipping", "l2_norm_clip", "noise_multiplier", "normalisation", "sensitivity"} <= m.keys()

@@ -22,7 +22,7 @@ import pathlib
 from jaxdp import noise as noise_lib
 from jaxdp.clipping import SENSITIVITY_FACTOR
 from jaxdp.corpus import TEXT_SECTION_CHARS, is_single_text_file
-from jaxdp.training.run_dir import read_json
+from jaxdp.training.run_dir import read_json, write_text_atomic
 
 PRIVACY_FILE = "privacy.json"
 
@@ -133,7 +133,7 @@ def _same_bytes(a: pathlib.Path, b: pathlib.Path) -> bool:
 
 
 def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
-                    overflowed_steps: int, audit_lower_bound: float | None = None) -> dict:
+                    overflowed_steps: int) -> dict:
     """The receipt of a run of `config` (`prepared` = `prepare(config)`) after `steps` steps."""
     p, dp = prepared, config.dp
     if not dp.enabled:
@@ -189,6 +189,7 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
             "normalisation": "the noisy sum of clipped gradients divided by the expected batch size "
                              f"{config.batch_size}, never by the realised batch size",
             "noise_added": "once per logical batch (accumulation over micro-batches adds none)",
+            "secure_noise": dp.secure_noise,
             "noise_sampler": ("each value the sum of 4 float32 normals scaled by the std, / 2 (Opacus' secure_mode), "
                               "the noisy sum rounded to a grid of ~std / 2^8 (snapping): a mitigation of "
                               "floating-point attacks, not a proof; random bits from ChaCha20 (a CSPRNG)"
@@ -213,52 +214,103 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         },
         "randomness": ("config.seed pinned: the guarantee assumes the seed is secret" if p.seed_pinned else
                        "a 128-bit root seed from the operating system, kept only in checkpoints/"),
-        "audit_lower_bound": audit_lower_bound,
+        "audits": [],
         **({} if init is None else {"init_weights": init}),
         "outside_the_guarantee": outside,
     }
 
 
 def write_privacy_receipt(workdir, receipt: dict) -> None:
-    pathlib.Path(workdir, PRIVACY_FILE).write_text(json.dumps(receipt, indent=2) + "\n")
-
-
-def record_audit(workdir, result, kind: str) -> dict:
-    """Writes a one-run audit's lower bound (`jaxdp.audit_runs` result of `kind`) into `workdir`'s receipt.
-
-    The audit is its own run (the same mechanism with canaries, `python -m experiments.audit`), so the
-    receipt keeps both claims apart: `epsilon` is this run's, `audit.claimed_epsilon` the audited run's.
-    A run with a planted bug audits the bug, not this code: it is refused. Returns the new receipt."""
+    """Writes `receipt` as `workdir`'s privacy.json, atomically (`write_text_atomic`). Audits already recorded in
+    the file (`record_audit`) are kept when `receipt` has none (a resumed run rewrites its receipt), and the
+    guarantee with those that trained on the run's data is restated (`guarantee_with_audits`)."""
     path = pathlib.Path(workdir, PRIVACY_FILE)
-    if not path.exists():
-        raise ValueError(f"no {PRIVACY_FILE} in {str(workdir)!r}: record an audit in a DP run's workdir")
-    if not (result.noise_multiplier > 0 and math.isfinite(result.claimed_epsilon)):
-        raise ValueError(f"the audit ran with noise_multiplier {result.noise_multiplier:g} (claimed epsilon "
-                         f"{result.claimed_epsilon:g}): an audit without a finite claim checks no guarantee, "
-                         "and a noiseless run on private data is not private; only an audit with noise goes "
-                         "into a receipt")
+    old = read_json(path) if path.is_file() else None
+    if receipt.get("dp") is True and old and old.get("audits") and not receipt.get("audits"):
+        receipt = {**receipt, "audits": old["audits"]}
+    receipt.pop("guarantee_with_audits", None)
+    on_data = [a for a in receipt.get("audits") or [] if a.get("trained_on_run_data") is not False]
+    if on_data and isinstance(receipt.get("epsilon"), (int, float)):
+        eps = receipt["epsilon"] + sum(a["claimed_epsilon"] for a in on_data)
+        delta = receipt["delta"] + sum(a["delta"] for a in on_data)
+        receipt["guarantee_with_audits"] = (
+            f"({eps:.6g}, {delta:.3g})-DP for the run's data: {len(on_data)} recorded audit(s) trained on it (or "
+            "may have), and their released bounds compose with this run (basic composition: epsilons and deltas add)")
+    write_text_atomic(path, json.dumps(receipt, indent=2) + "\n")
+
+
+# What must match between an audit and the run it is recorded into: the implementation it tested.
+_SAME_IMPLEMENTATION = ("clipping", "clip_fn", "secure_noise")
+
+
+def audit_target(workdir) -> dict:
+    """The receipt an audit may be recorded into (checked before the audit runs); raises ValueError naming why not."""
+    path = pathlib.Path(workdir, PRIVACY_FILE)
+    if path.is_symlink() or not path.is_file():
+        raise ValueError(f"no {PRIVACY_FILE} file in {str(workdir)!r} (or a symlink): record an audit in a DP "
+                         "run's workdir")
+    receipt = read_json(path)
+    if receipt is None:
+        raise ValueError(f"{path} is not a JSON object: not a privacy receipt")
+    if receipt.get("dp") is not True:
+        raise ValueError(f"{path} is the receipt of a non-DP run (dp = {receipt.get('dp')!r}): there is no "
+                         "guarantee to audit")
+    eps = receipt.get("epsilon")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps):
+        raise ValueError(f"{path} states no finite epsilon ({eps!r}): there is no guarantee to audit")
+    return receipt
+
+
+def record_audit(workdir, result, kind: str, *, data: str | None = None) -> dict:
+    """Appends a one-run audit (`jaxdp.audit_runs` result of `kind`) to `workdir`'s receipt; returns the receipt.
+
+    The audit is its own run of the DP step with canaries (`python -m experiments.audit`): its sigma, q and
+    steps are its own, recorded beside the run's. Refused (ValueError): a planted bug; no noise or no finite
+    claim; a claim above the run's epsilon (it tests a weaker guarantee); a bound this audit could never push
+    above its claim (`max_epsilon`: nothing could have been caught); an implementation other than the run's
+    (clipping, clip_fn, secure noise, accountant); an audit on `data` (a black box's data.path; None:
+    synthetic) that is the run's (its config.json's data.path), or cannot be told apart, with a pinned seed, whose noise is then as public as the seed. Every audit is kept (`audits`);
+    one that trained on the run's data composes with it (`guarantee_with_audits`)."""
+    receipt = audit_target(workdir)
+    a, mech = result.audit, result.mechanism
+    claim, run_eps = result.claimed_epsilon, receipt["epsilon"]
     if result.bug != "none":
         raise ValueError(f"an audit with a planted bug ({result.bug!r}) audits the bug, not this code: "
                          "only an audit with bug='none' goes into a receipt")
-    receipt = json.loads(path.read_text())
-    if not receipt.get("dp"):
-        raise ValueError(f"{path} is the receipt of a non-DP run: there is no guarantee to audit")
-    a = result.audit
-    receipt["audit_lower_bound"] = a.epsilon
-    receipt["audit"] = {
-        "kind": kind,
-        "lower_bound": a.epsilon,
-        "confidence": a.confidence,
-        "claimed_epsilon": result.claimed_epsilon,
-        "noise_multiplier": result.noise_multiplier,
-        "sampling_probability": result.sampling_probability,
-        "steps": result.steps,
-        "delta": result.delta,
-        "num_canaries": a.num_canaries,
-        "note": "a separate run of the same DP step with canaries (Steinke, Nasr & Jagielski 2023): a lower "
-                "bound above its claimed_epsilon is evidence of a privacy bug; one below proves nothing. If the "
-                "audit trained on this run's private data, the two runs compose: add claimed_epsilon to "
-                "epsilon",
-    }
+    if not (result.noise_multiplier > 0 and math.isfinite(claim)):
+        raise ValueError(f"the audit ran with noise_multiplier {result.noise_multiplier:g} (claimed epsilon "
+                         f"{claim:g}): an audit without a finite claim checks no guarantee, and a noiseless run "
+                         "on private data is not private; only an audit with noise goes into a receipt")
+    if claim > run_eps * (1 + 1e-9):
+        raise ValueError(f"the audit claimed epsilon {claim:.6g}, above this run's {run_eps:.6g}: it tests a weaker "
+                         "guarantee than the run's; audit at a claim <= the run's epsilon")
+    if not math.isfinite(a.epsilon) or a.max_epsilon <= claim:
+        raise ValueError(f"this audit could not have caught anything: its largest attainable bound "
+                         f"{a.max_epsilon:.4g} (every guess right) is <= its claim {claim:.4g}; use more canaries "
+                         "or a smaller claimed epsilon (config.dp.target_epsilon)")
+    run_mech = dict(receipt.get("mechanism") or {})
+    run_mech.setdefault("secure_noise", False)  # receipts before the field: secure noise then said so in its text
+    differ = {k: (mech[k], run_mech.get(k)) for k in _SAME_IMPLEMENTATION if mech[k] != run_mech.get(k)}
+    if receipt.get("accountant") != mech["accountant"]:
+        differ["accountant"] = (mech["accountant"], receipt.get("accountant"))
+    if differ:
+        raise ValueError("the audit ran another mechanism than this run: " + ", ".join(
+            f"{k} {ours!r} (run: {theirs!r})" for k, (ours, theirs) in differ.items()))
+    run_data = ((read_json(pathlib.Path(workdir, "config.json")) or {}).get("data") or {}).get("path")
+    on_data = (False if data is None else "unknown" if run_data is None else
+               _same_data(data, run_data, pathlib.Path(workdir)))
+    if on_data is not False and result.seed_pinned:
+        raise ValueError("the audit trained on this run's data (or it cannot be told apart) with a pinned seed: "
+                         "its noise is as public as that seed, so its released bound is not private; rerun "
+                         "without config.seed")
+    entry = {"kind": kind, "lower_bound": a.epsilon, "confidence": a.confidence, "max_attainable": a.max_epsilon,
+             "exceeds_claim": a.epsilon > claim, "claimed_epsilon": claim,
+             "noise_multiplier": result.noise_multiplier, "sampling_probability": result.sampling_probability,
+             "steps": result.steps, "delta": result.delta, **mech, "num_canaries": a.num_canaries,
+             "data": "synthetic (white box)" if data is None else str(data), "trained_on_run_data": on_data,
+             "note": "a separate run of the same DP step with canaries (Steinke, Nasr & Jagielski 2023): a "
+                     "lower_bound above claimed_epsilon is evidence of a privacy bug; one below proves nothing"}
+    receipt["audits"] = list(receipt.get("audits") or []) + [entry]
+    receipt.pop("audit", None), receipt.pop("audit_lower_bound", None)  # the one-audit fields of older versions
     write_privacy_receipt(workdir, receipt)
-    return receipt
+    return read_json(pathlib.Path(workdir, PRIVACY_FILE))

@@ -181,6 +181,20 @@ def read_metrics(workdir) -> list[dict]:
     return rows
 
 
+def write_text_atomic(path, text: str) -> None:
+    """`text` into `path` through a temporary file and a rename: a crash or a full disk leaves the old file
+    whole. A symlink at `path` is refused (it would write into another run's file)."""
+    path = pathlib.Path(path)
+    if path.is_symlink():
+        raise ValueError(f"{path} is a symlink: refusing to write through it")
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def write_metrics(workdir: pathlib.Path, rows: list[dict]) -> None:
     """Replaces `metrics.jsonl` by `rows` atomically."""
     tmp = workdir / (METRICS_FILE + ".tmp")
