@@ -63,6 +63,21 @@ def blocks(key, nonce, counters):
       NumPy in, NumPy out; a JAX array (or tracer) anywhere gives a JAX array (jit- and vmap-able).
     """
     xp = _xp(key, nonce, counters)
+    return xp.stack(_block_words(xp, key, nonce, counters), axis=-1)
+
+
+def word_major_blocks(key, nonce, num_blocks: int):
+    """Blocks 0 .. num_blocks - 1 of (key, nonce) word by word: (..., 16, num_blocks), row w holding word w of
+    every block (`blocks` transposed). The same keystream words, laid out so that no interleaving is written:
+    what `jaxdp.noise` reads."""
+    if not 0 < num_blocks <= MAX_BLOCKS:
+        raise ValueError(f"a ChaCha20 stream holds {MAX_BLOCKS} blocks of 16 words; asked for {num_blocks}")
+    xp = _xp(key, nonce)
+    return xp.stack(_block_words(xp, key, nonce, xp.arange(num_blocks, dtype=xp.uint32)), axis=-2)
+
+
+def _block_words(xp, key, nonce, counters) -> list:
+    """The 16 keystream words of each block, as 16 arrays (..., N)."""
     key, nonce, counters = (xp.asarray(a).astype(xp.uint32) for a in (key, nonce, counters))
     if key.shape[-1:] not in ((4,), (8,)) or nonce.shape[-1:] != (3,) or counters.ndim != 1:
         raise ValueError(f"chacha.blocks takes key (..., 8) or (..., 4), nonce (..., 3) and counters (N,); "
@@ -77,7 +92,7 @@ def blocks(key, nonce, counters):
     s = list(start)
     for _ in range(10):  # unrolled: under jit, one elementwise fusion (a loop would store the state 10 times)
         s = _double_round(s)
-    return xp.stack([x + y for x, y in zip(s, start)], axis=-1)
+    return [x + y for x, y in zip(s, start)]
 
 
 def stream(key, nonce, num_words: int, first_block: int = 0):

@@ -301,13 +301,18 @@ def _secure_gaussians(leaf_keys, leaves, std: float, shards) -> list[jax.Array]:
     for (_, _, wide), members in groups.items():
         first, shard = members[0], shards[members[0]]
         per_value = SECURE_DRAWS * (2 if jnp.dtype(wide).itemsize == 8 else 1)
-        sizes = [per_value * math.prod(leaves[i].shape) for i in members]
+        words_per_draw = per_value // SECURE_DRAWS
+        sizes = [words_per_draw * math.prod(leaves[i].shape) for i in members]
         nonce = jnp.stack([jnp.uint32(shard is not None), jnp.uint32(first),
                            jnp.uint32(0) if shard is None else jnp.asarray(shard).astype(jnp.uint32)])
-        words = chacha.stream(jax.random.key_data(leaf_keys[first]), nonce, sum(sizes))
+        # Word-major blocks (16, N) read as SECURE_DRAWS rows of 16 / SECURE_DRAWS * N words: row d is draw d
+        # (a reshape, no interleaving); a leaf takes the same span of every row.
+        num_blocks = max(1, -(-sum(sizes) * SECURE_DRAWS // chacha.WORDS_PER_BLOCK))
+        rows = chacha.word_major_blocks(jax.random.key_data(leaf_keys[first]), nonce, num_blocks)
+        rows = rows.reshape(SECURE_DRAWS, -1)
         offsets = np.cumsum([0] + sizes)
         for i, lo, hi in zip(members, offsets[:-1], offsets[1:]):
-            bits = words[lo:hi].reshape((SECURE_DRAWS,) + tuple(leaves[i].shape) + ((2,) if per_value > SECURE_DRAWS else ()))
+            bits = rows[:, lo:hi].reshape((SECURE_DRAWS,) + tuple(leaves[i].shape) + ((2,) if words_per_draw == 2 else ()))
             # each draw scaled before the sum: a product after it would leave gaps (module docstring)
             out[i] = (normal_from_bits(bits, wide) * std).sum(0) * (1 / SECURE_DRAWS ** 0.5)
     return out

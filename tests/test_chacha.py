@@ -46,6 +46,8 @@ def test_block_function_matches_the_published_vectors():
         expected = np.concatenate([chacha.blocks(key, nonce, np.array([c], np.uint32))[0] for c in range(5, 12)])
         np.testing.assert_array_equal(row, expected[:100])
         np.testing.assert_array_equal(np.asarray(jitted(jnp.asarray(key), jnp.asarray(nonce), 100, 5)), row)
+    np.testing.assert_array_equal(chacha.word_major_blocks(keys, nonce, 7),  # the blocks, word by word
+                                  np.swapaxes(chacha.blocks(keys, nonce, np.arange(7, dtype=np.uint32)), -1, -2))
     with pytest.raises(ValueError, match="holds 4294967296 blocks"):
         chacha.stream(keys[0], nonce, 32, first_block=chacha.MAX_BLOCKS - 1)
     with pytest.raises(ValueError, match="key"):
