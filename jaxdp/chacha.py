@@ -66,14 +66,33 @@ def blocks(key, nonce, counters):
     return xp.stack(_block_words(xp, key, nonce, counters), axis=-1)
 
 
-def word_major_blocks(key, nonce, num_blocks: int):
-    """Blocks 0 .. num_blocks - 1 of (key, nonce) word by word: (..., 16, num_blocks), row w holding word w of
-    every block (`blocks` transposed). The same keystream words, laid out so that no interleaving is written:
+def block_words(key, nonce, num_blocks: int) -> list:
+    """Blocks 0 .. num_blocks - 1 of (key, nonce) word by word: 16 arrays (..., num_blocks), array w holding
+    word w of every block (`blocks` transposed). The same keystream words, never interleaved into blocks:
     what `jaxdp.noise` reads."""
     if not 0 < num_blocks <= MAX_BLOCKS:
         raise ValueError(f"a ChaCha20 stream holds {MAX_BLOCKS} blocks of 16 words; asked for {num_blocks}")
     xp = _xp(key, nonce)
-    return xp.stack(_block_words(xp, key, nonce, xp.arange(num_blocks, dtype=xp.uint32)), axis=-2)
+    if xp is not np and np.ndim(key) == 1 and np.ndim(nonce) == 1:
+        from jaxdp.pallas import _common
+        if not _common.resolve_interpret(None):  # a GPU: one Triton kernel (jaxdp.pallas.chacha_words)
+            from jaxdp.pallas import chacha_words
+            return chacha_words.block_words(initial_state(key, nonce), num_blocks)
+    words = _block_words(xp, key, nonce, xp.arange(num_blocks, dtype=xp.uint32))
+    if xp is np:
+        return words
+    # Stored once, then read: XLA:CPU fused the rounds into a consumer's concatenate and never finished.
+    import jax
+    return list(jax.lax.optimization_barrier(xp.stack(words, axis=-2)).swapaxes(0, -2))
+
+
+def initial_state(key, nonce):
+    """The 16-word state of block 0 (RFC 8439 section 2.3): constants, key, counter 0, nonce; (16,) uint32."""
+    xp = _xp(key, nonce)
+    key, nonce = (xp.asarray(a).astype(xp.uint32) for a in (key, nonce))
+    constants = xp.asarray(_EXPAND_32 if key.shape[-1] == 8 else _EXPAND_16, xp.uint32)
+    key = xp.concatenate([key, key]) if key.shape[-1] == 4 else key
+    return xp.concatenate([constants, key, xp.zeros(1, xp.uint32), nonce])
 
 
 def _block_words(xp, key, nonce, counters) -> list:

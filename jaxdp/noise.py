@@ -69,8 +69,11 @@ fast, but not cryptographic, so whoever recovered its state could predict the no
 `secure=True` every bit comes from ChaCha20 (`jaxdp.chacha`, a CSPRNG, as Opacus' `secure_mode`
 draws from one): the state key is ratcheted by one ChaCha20 block per logical batch
 (`split_step_key`: next key and the step's noise key), and each leaf reads its own words of the
-step key's streams (`_secure_gaussians`). The secret is the 128-bit key from the operating
-system's entropy (`init_key`), or a pinned one.
+step key's streams (`_secure_gaussians`; on a GPU the words come from one Triton kernel,
+`jaxdp.pallas.chacha_words`). The secret is the 128-bit key from the operating system's entropy
+(`init_key`), or a pinned one. Cost, predicted for GPT-2 small (B 4, seq 1024, deviceless H100
+compile, WORKSPACE): 11.4 ms per step against 9.9 without secure noise, plus ChaCha20's integer
+work, which the roofline does not count (~50 G operations, ~1.5 ms at half the float32 rate).
 """
 
 from __future__ import annotations
@@ -305,14 +308,22 @@ def _secure_gaussians(leaf_keys, leaves, std: float, shards) -> list[jax.Array]:
         sizes = [words_per_draw * math.prod(leaves[i].shape) for i in members]
         nonce = jnp.stack([jnp.uint32(shard is not None), jnp.uint32(first),
                            jnp.uint32(0) if shard is None else jnp.asarray(shard).astype(jnp.uint32)])
-        # Word-major blocks (16, N) read as SECURE_DRAWS rows of 16 / SECURE_DRAWS * N words: row d is draw d
-        # (a reshape, no interleaving); a leaf takes the same span of every row.
-        num_blocks = max(1, -(-sum(sizes) * SECURE_DRAWS // chacha.WORDS_PER_BLOCK))
-        rows = chacha.word_major_blocks(jax.random.key_data(leaf_keys[first]), nonce, num_blocks)
-        rows = rows.reshape(SECURE_DRAWS, -1)
+        # ChaCha20's words, word by word (16 arrays of N blocks, `chacha.block_words`): draw d reads arrays
+        # 4d .. 4d+3 end to end, and a leaf the same span of every draw (no interleaved copy of the words).
+        n = max(1, -(-sum(sizes) * SECURE_DRAWS // chacha.WORDS_PER_BLOCK))
+        words = chacha.block_words(jax.random.key_data(leaf_keys[first]), nonce, n)
+        # (on a GPU the words come from one Triton kernel: jaxdp.pallas.chacha_words)
+        per = chacha.WORDS_PER_BLOCK // SECURE_DRAWS
+
+        def draw(d, lo, hi):
+            pieces = [words[per * d + w][max(lo, w * n) - w * n:min(hi, (w + 1) * n) - w * n]
+                      for w in range(per) if max(lo, w * n) < min(hi, (w + 1) * n)]
+            return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+
         offsets = np.cumsum([0] + sizes)
         for i, lo, hi in zip(members, offsets[:-1], offsets[1:]):
-            bits = rows[:, lo:hi].reshape((SECURE_DRAWS,) + tuple(leaves[i].shape) + ((2,) if words_per_draw == 2 else ()))
+            bits = jnp.stack([draw(d, lo, hi) for d in range(SECURE_DRAWS)])
+            bits = bits.reshape((SECURE_DRAWS,) + tuple(leaves[i].shape) + ((2,) if words_per_draw == 2 else ()))
             # each draw scaled before the sum: a product after it would leave gaps (module docstring)
             out[i] = (normal_from_bits(bits, wide) * std).sum(0) * (1 / SECURE_DRAWS ** 0.5)
     return out

@@ -9,6 +9,7 @@ does (bench_kernels times it as the baseline). On a CPU backend the kernels run 
   linear_ghost_sq_norms      <x_b x_b^T, g_b g_b^T>, Gram tiles on chip      (ghost_norms.py)
   linear_clipped_sum         sum_b c_b x_b^T g_b, scale fused into the load  (clipped_sum.py)
   linear_fused_clipped_sum   per-layer single pass: G_b tiles once, scratch  (single_pass.py)
+  chacha_words.block_words   ChaCha20 keystream for secure noise, rounds in registers (chacha_words.py)
 """
 
 from jaxdp.pallas.clipped_sum import linear_clipped_sum

@@ -1,0 +1,47 @@
+"""ChaCha20 keystream words in one Triton kernel: the GPU path of `jaxdp.chacha.block_words`.
+
+XLA compiles the 20 unrolled rounds of `jaxdp.chacha` (about 1,600 integer operations per block)
+into one huge elementwise fusion: for GPT-2 small's secure noise the deviceless H100 compile of the
+DP step took minutes. Here each program runs the rounds in a loop over `BLOCK` counters held in
+registers and writes the 16 words of its blocks once (64 bytes per block, the compulsory traffic):
+the rounds are the same code (`jaxdp.chacha._double_round`), the reference is `jaxdp.chacha`'s
+jnp path, and the tests compare the two in the Pallas interpreter.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxdp import chacha
+from jaxdp.pallas import _common
+
+BLOCK = 1024  # counters per program
+
+
+def _kernel(start_ref, *out_refs):
+    start = [start_ref[w] for w in range(chacha.WORDS_PER_BLOCK)]
+    counters = (pl.program_id(0) * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)).astype(jnp.uint32) + start[12]
+    init = [counters if w == 12 else jnp.full((BLOCK,), s, jnp.uint32) for w, s in enumerate(start)]
+    x = lax.fori_loop(0, 10, lambda _, s: tuple(chacha._double_round(list(s))), tuple(init))
+    for w in range(chacha.WORDS_PER_BLOCK):
+        out_refs[w][...] = x[w] + init[w]
+
+
+def block_words(start_16: jax.Array, num_blocks: int, *, interpret: bool | None = None) -> list[jax.Array]:
+    """16 arrays (num_blocks,) uint32: word w of blocks 0 .. num_blocks - 1 from the initial state `start_16`
+    (constants, key, block counter 0, nonce: `jaxdp.chacha.initial_state`). Sixteen outputs, not one
+    (16, N) array: XLA fuses a consumer's slice of an output into the consumer, not a slice of a row."""
+    word = _common.out_struct((num_blocks,), jnp.uint32, start_16)
+    return pl.pallas_call(  # the last program's blocks past num_blocks are not stored (Pallas masks them)
+        _kernel,
+        out_shape=[word] * chacha.WORDS_PER_BLOCK,
+        grid=(pl.cdiv(num_blocks, BLOCK),),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[pl.BlockSpec((BLOCK,), lambda i: (i,))] * chacha.WORDS_PER_BLOCK,
+        compiler_params=_common.compiler_params(num_warps=4),
+        interpret=_common.resolve_interpret(interpret),
+        name="chacha20_block_words",
+    )(start_16.astype(jnp.uint32))
