@@ -2,12 +2,11 @@
 
 DP-SGD's guarantee assumes ideal randomness: noise and batches nobody can predict. A statistical
 generator (XLA's Philox, NumPy's PCG64) passes every statistical test, but whoever recovers its
-state from a few outputs predicts the rest; a cryptographically secure one (CSPRNG) makes that as
-hard as breaking a cipher. ChaCha20 is the CSPRNG of Linux's /dev/urandom, of Opacus' secure mode
-(through torchcsprng's sibling AES-CTR) and of TLS (RFC 8439): 20 rounds of 32-bit additions,
+state from some outputs predicts the rest; a cryptographically secure one (CSPRNG) makes that as
+hard as breaking a cipher (Opacus' `secure_mode` uses one: AES-CTR through torchcsprng). ChaCha20
+is the CSPRNG of Linux's /dev/urandom and a TLS cipher (RFC 8439): 20 rounds of 32-bit additions,
 rotations and xors, so one implementation runs on the host (NumPy: `jaxdp.sampling`) and inside a
-jitted step (jax.numpy: `jaxdp.noise` under `secure=True`), and no entry of a secret key is ever
-turned into a float.
+jitted step (jax.numpy, or one Triton kernel on a GPU: `jaxdp.noise` under `secure=True`).
 
 `blocks(key, nonce, counters)` is the block function of RFC 8439 section 2.3 (its test vectors in
 `tests/test_chacha.py`): the state is four constant words, eight key words, one 32-bit block

@@ -12,22 +12,23 @@ depends on the data set and is not protected by the noise.
 
 A draw is a Binomial(N, q) size followed by a uniformly random subset of that
 size, which is the same distribution as N independent coin flips (Beltran et
-al. 2024, arXiv:2406.17298, Lemma 1) at O(batch) cost instead of O(N). The
-draw for step s (attempt a, see "resample") uses only
-`np.random.default_rng(jaxdp.noise.derive_seed(seed, "poisson", s, a))`, so a
+al. 2024, arXiv:2406.17298, Lemma 1) at O(batch) cost instead of O(N): the size
+by inverting the binomial CDF (summed exactly over a window holding all but
+1e-300 of the mass), the subset by Floyd's algorithm with exact uniform
+integers (Lemire's multiply-and-reject). The draw for step s (attempt a, see
+"resample") uses only the ChaCha20 keystream (`jaxdp.chacha`, a cryptographically
+secure generator) keyed by `jaxdp.noise.derive_seed(seed, "poisson", s, a)`, so a
 resumed run reproduces an uninterrupted one exactly with no RNG state to save;
 only the seed and the step counter must be restored. `derive_seed` hashes the
 whole path (SHA-256), so no step's stream is the stream of the bare seed or of
-another step (NumPy seeds `default_rng([seed, s, 0])` exactly like
-`default_rng([seed, s])`, and `[seed, 0, 0]` like `seed`: trailing zeros are
-dropped).
+another step.
 
 The seed must be secret: whoever knows it knows every batch, hence which
 examples each noisy sum holds. `seed=None` (the default) draws a 128-bit seed
 from the operating system's entropy (`jaxdp.noise.secret_seed`); a pinned seed
 reproduces the batches and the guarantee then assumes it is kept secret. (The
-formal guarantee also assumes ideal randomness; NumPy's PCG64 is a
-statistical, not a cryptographically secure, generator.)
+formal guarantee also assumes ideal randomness: ChaCha20, not a statistical
+generator such as NumPy's PCG64, whose state some outputs would give away.)
 
 Overflow and what it does to the guarantee. If a draw has more than
 `max_batch_size` examples, the step is no longer the Poisson-sampled Gaussian
@@ -89,6 +90,7 @@ import operator
 
 import numpy as np
 
+from jaxdp import chacha
 from jaxdp import noise as noise_lib
 
 OVERFLOW_MODES = ("truncate", "resample", "error")
@@ -130,6 +132,57 @@ def _binomial_sf(n: int, q: float, k: int) -> float:
     if k + 1 > hi:
         return 0.0
     return float(_binomial_pmf(n, q, max(lo, k + 1), hi).sum())
+
+
+class KeyStream:
+    """Uniform draws from the ChaCha20 keystream of a 256-bit seed (nonce 0): a CSPRNG, host-side."""
+
+    _CHUNK = 64  # blocks generated at a time (1,024 words)
+
+    def __init__(self, seed: int):
+        self._key = noise_lib._words(seed, 8)
+        self._block = 0
+        self._buffer = np.zeros(0, np.uint64)
+
+    def words64(self, count: int) -> np.ndarray:
+        """The next `count` 64-bit words (uint64)."""
+        while self._buffer.size < count:
+            blocks = max(self._CHUNK, -(-2 * (count - self._buffer.size) // chacha.WORDS_PER_BLOCK))
+            w = chacha.stream(self._key, np.zeros(3, np.uint32), blocks * chacha.WORDS_PER_BLOCK, self._block)
+            self._block += blocks
+            w = w.astype(np.uint64)
+            self._buffer = np.concatenate([self._buffer, (w[0::2] << np.uint64(32)) | w[1::2]])
+        out, self._buffer = self._buffer[:count], self._buffer[count:]
+        return out
+
+    def uniform(self) -> float:
+        """Uniform on [0, 1), 53 random bits."""
+        return int(self.words64(1)[0] >> np.uint64(11)) * 2.0**-53
+
+    def below(self, bound: int, word: int | None = None) -> int:
+        """Exactly uniform on [0, bound) (Lemire's multiply-and-reject; `word`: the first 64-bit word to use)."""
+        threshold = (2**64 - bound) % bound
+        while True:
+            m = (int(self.words64(1)[0]) if word is None else word) * bound
+            word = None
+            if m & (2**64 - 1) >= threshold:
+                return m >> 64
+
+    def subset(self, n: int, k: int) -> np.ndarray:
+        """A uniformly random k-subset of range(n) (Floyd's algorithm), sorted."""
+        chosen: set[int] = set()
+        for word, j in zip(self.words64(k).tolist(), range(n - k, n)):
+            t = self.below(j + 1, word)
+            chosen.add(j if t in chosen else t)
+        return np.sort(np.fromiter(chosen, np.int64, k))
+
+    def binomial(self, n: int, q: float) -> int:
+        """A Binomial(n, q) draw by inverting its CDF over the window holding all but 1e-300 of the mass."""
+        if q >= 1:
+            return n
+        lo, hi = _window(n, q)
+        cdf = np.cumsum(_binomial_pmf(n, q, lo, hi))
+        return min(hi, lo + int(np.searchsorted(cdf, self.uniform() * cdf[-1], side="right")))
 
 
 def _smallest_max_batch_size(n: int, q: float, max_overflow_probability: float) -> int:
@@ -326,13 +379,13 @@ class PoissonSampler:
     def _draw(self, step: int) -> tuple[np.ndarray, bool]:
         n, b = self.num_examples, self.max_batch_size
         for attempt in range(_MAX_RESAMPLE_ATTEMPTS):
-            rng = np.random.default_rng(noise_lib.derive_seed(self.seed, _DOMAIN, step, attempt))
-            size = int(rng.binomial(n, self.sampling_probability))
-            chosen = rng.choice(n, size=size, replace=False, shuffle=False)
+            rng = KeyStream(noise_lib.derive_seed(self.seed, _DOMAIN, step, attempt))
+            size = rng.binomial(n, self.sampling_probability)
+            chosen = rng.subset(n, size)
             if size <= b:
                 return chosen, attempt > 0
             if self.overflow == "truncate":
-                return rng.choice(chosen, size=b, replace=False, shuffle=False), True
+                return chosen[rng.subset(size, b)], True
             if self.overflow == "error":
                 raise RuntimeError(
                     f"Poisson sample of step {step} has {size} examples > max_batch_size "

@@ -6,7 +6,7 @@ import secrets
 import numpy as np
 import pytest
 
-from jaxdp import noise, sampling
+from jaxdp import chacha, noise, sampling
 
 # Tolerances are in standard deviations of the statistic under test. With the
 # seeds fixed the tests are deterministic; Z makes a false failure under a
@@ -91,16 +91,37 @@ def test_different_steps_and_seeds_differ():
     assert not np.array_equal(a.sample(0)[0], b.sample(0)[0])
 
 
-def test_draw_is_default_rng_of_the_derived_seed():
-    # Documented contract: step s, attempt a draws from
-    # np.random.default_rng(derive_seed(seed, "poisson", s, a)); any int >= 0 is a seed.
+def test_draw_is_chacha20_of_the_derived_seed():
+    # Documented contract: step s, attempt a draws from the ChaCha20 keystream (a CSPRNG) keyed by
+    # derive_seed(seed, "poisson", s, a): a Binomial size by inverse CDF, then Floyd's uniform subset;
+    # any int >= 0 is a seed.
     seed, step = secrets.randbits(200), secrets.randbelow(2**40)
     sampler = sampling.PoissonSampler(300, 30, seed=seed)
-    rng = np.random.default_rng(noise.derive_seed(seed, "poisson", step, 0))
-    size = rng.binomial(300, 0.1)
-    expected = np.sort(rng.choice(300, size=size, replace=False, shuffle=False))
+    stream = sampling.KeyStream(noise.derive_seed(seed, "poisson", step, 0))
+    expected = stream.subset(300, stream.binomial(300, 0.1))
     indices, mask = sampler.sample(step)
     np.testing.assert_array_equal(indices[mask], expected)
+    words = sampling.KeyStream(seed).words64(40)   # the keystream itself, two 32-bit words per draw
+    raw = chacha.stream(noise._words(seed, 8), np.zeros(3, np.uint32), 80).astype(np.uint64)
+    np.testing.assert_array_equal(words, (raw[0::2] << np.uint64(32)) | raw[1::2])
+
+
+def test_keystream_draws_are_uniform():
+    """Exact uniform integers (a bound that is not a power of two, where a modulo would be biased), a
+    binomial with the exact mean and variance, and subsets holding every element equally often."""
+    rng = sampling.KeyStream(secrets.randbits(256))
+    draws = np.array([rng.below(6) for _ in range(12_000)])
+    counts = np.bincount(draws, minlength=6)
+    assert draws.max() < 6 and ((counts - 2000) ** 2 / 2000).sum() < 30   # chi-square, 5 dof: p ~ 1e-5
+    sizes = np.array([rng.binomial(1000, 0.3) for _ in range(4000)])
+    assert abs(sizes.mean() - 300) < Z * math.sqrt(210 / 4000)
+    assert abs(sizes.var() / 210 - 1) < Z * math.sqrt(2 / 4000)
+    hits = np.zeros(50)
+    for _ in range(2000):
+        chosen = rng.subset(50, 10)
+        assert len(set(chosen)) == 10 and chosen.max() < 50
+        hits[chosen] += 1
+    assert np.abs(hits - 400).max() < Z * math.sqrt(400 * 0.8)
 
 
 def _draw_of(rng, n, q):

@@ -202,6 +202,8 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
             "method": f"Poisson: each {unit} independently with probability q at every step" + (
                 "" if unit == "window" else
                 f"; a sampled {unit} gives min({k}, its windows) of its windows, drawn without replacement"),
+            "random_bits": "ChaCha20 (a cryptographically secure generator) keyed by a SHA-256 of the secret "
+                           "root seed, step and attempt (jaxdp.sampling)",
             "sampling_probability": sampler.sampling_probability,
             "expected_batch_size": config.batch_size,
             "max_batch_size": sampler.max_batch_size,
