@@ -170,6 +170,8 @@ class KeyStream:
 
     def subset(self, n: int, k: int) -> np.ndarray:
         """A uniformly random k-subset of range(n) (Floyd's algorithm), sorted."""
+        if k == n:
+            return np.arange(n, dtype=np.int64)
         chosen: set[int] = set()
         for word, j in zip(self.words64(k).tolist(), range(n - k, n)):
             t = self.below(j + 1, word)
