@@ -82,7 +82,7 @@ def block_words(key, nonce, num_blocks: int) -> list:
         return words
     # Stored once, then read: XLA:CPU fused the rounds into a consumer's concatenate and never finished.
     import jax
-    return list(jax.lax.optimization_barrier(xp.stack(words, axis=-2)).swapaxes(0, -2))
+    return list(xp.moveaxis(jax.lax.optimization_barrier(xp.stack(words, axis=-2)), -2, 0))
 
 
 def initial_state(key, nonce):

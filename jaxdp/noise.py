@@ -318,6 +318,8 @@ def _secure_gaussians(leaf_keys, leaves, std: float, shards) -> list[jax.Array]:
         def draw(d, lo, hi):
             pieces = [words[per * d + w][max(lo, w * n) - w * n:min(hi, (w + 1) * n) - w * n]
                       for w in range(per) if max(lo, w * n) < min(hi, (w + 1) * n)]
+            if not pieces:  # a zero-size leaf (attacker review 17)
+                return jnp.zeros((0,), jnp.uint32)
             return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
         offsets = np.cumsum([0] + sizes)

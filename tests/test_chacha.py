@@ -46,6 +46,9 @@ def test_block_function_matches_the_published_vectors():
         expected = np.concatenate([chacha.blocks(key, nonce, np.array([c], np.uint32))[0] for c in range(5, 12)])
         np.testing.assert_array_equal(row, expected[:100])
         np.testing.assert_array_equal(np.asarray(jitted(jnp.asarray(key), jnp.asarray(nonce), 100, 5)), row)
+    batched = rng.integers(0, 2**32, (2, 3, 4), dtype=np.uint32)  # two batch axes, NumPy and jnp alike
+    np.testing.assert_array_equal(np.stack(chacha.block_words(jnp.asarray(batched), jnp.asarray(nonce), 5)),
+                                  np.stack(chacha.block_words(batched, nonce, 5)))
     np.testing.assert_array_equal(np.stack(chacha.block_words(keys, nonce, 7), axis=-2),  # word by word
                                   np.swapaxes(chacha.blocks(keys, nonce, np.arange(7, dtype=np.uint32)), -1, -2))
     with pytest.raises(ValueError, match="holds 4294967296 blocks"):
@@ -97,6 +100,8 @@ def test_secure_noise_comes_from_chacha_alone():
     c, d = (noise.gaussians([key], [leaf], 1.0, shards=[s], secure=True)[0] for s in (jnp.int32(0), jnp.int32(1)))
     for x, y in ((a, b), (c, d), (a, c)):
         assert np.mean(np.asarray(x) == np.asarray(y)) < 1e-3
+    empty = [jax.ShapeDtypeStruct((0, 3), jnp.float32), leaf]  # a zero-size leaf (attacker review 17)
+    assert [x.shape for x in noise.gaussians([key, key], empty, 1.0, secure=True)] == [(0, 3), (4096,)]
 
     class Lin(nnx.Module):
         def __init__(self):

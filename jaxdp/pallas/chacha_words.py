@@ -23,7 +23,9 @@ BLOCK = 1024  # counters per program
 
 def _kernel(start_ref, *out_refs):
     start = [start_ref[w] for w in range(chacha.WORDS_PER_BLOCK)]
-    counters = (pl.program_id(0) * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)).astype(jnp.uint32) + start[12]
+    # uint32 throughout: up to 2^32 blocks (int32 would wrap at 2^31; attacker review 17)
+    counters = pl.program_id(0).astype(jnp.uint32) * jnp.uint32(BLOCK) + jnp.arange(BLOCK, dtype=jnp.uint32)
+    counters = counters + start[12]
     init = [counters if w == 12 else jnp.full((BLOCK,), s, jnp.uint32) for w, s in enumerate(start)]
     x = lax.fori_loop(0, 10, lambda _, s: tuple(chacha._double_round(list(s))), tuple(init))
     for w in range(chacha.WORDS_PER_BLOCK):
