@@ -232,7 +232,7 @@ def write_privacy_receipt(workdir, receipt: dict) -> None:
         receipt = {**receipt, "audits": old["audits"]}
     receipt.pop("guarantee_with_audits", None)
     on_data = [a for a in receipt.get("audits") or [] if a.get("trained_on_run_data") is not False]
-    if on_data and isinstance(receipt.get("epsilon"), (int, float)):
+    if on_data and all(isinstance(receipt.get(k), (int, float)) for k in ("epsilon", "delta")):
         eps = receipt["epsilon"] + sum(a["claimed_epsilon"] for a in on_data)
         delta = receipt["delta"] + sum(a["delta"] for a in on_data)
         receipt["guarantee_with_audits"] = (
@@ -271,8 +271,9 @@ def record_audit(workdir, result, kind: str, *, data: str | None = None) -> dict
     claim; a claim above the run's epsilon (it tests a weaker guarantee); a bound this audit could never push
     above its claim (`max_epsilon`: nothing could have been caught); an implementation other than the run's
     (clipping, clip_fn, secure noise, accountant); an audit on `data` (a black box's data.path; None:
-    synthetic) that is the run's (its config.json's data.path), or cannot be told apart, with a pinned seed, whose noise is then as public as the seed. Every audit is kept (`audits`);
-    one that trained on the run's data composes with it (`guarantee_with_audits`)."""
+    synthetic) that is the run's (its config.json's data.path), or cannot be told apart, with a pinned
+    seed, whose noise is then as public as the seed. Every audit is kept (`audits`); one that trained on
+    the run's data composes with it (`guarantee_with_audits`)."""
     receipt = audit_target(workdir)
     a, mech = result.audit, result.mechanism
     claim, run_eps = result.claimed_epsilon, receipt["epsilon"]
@@ -291,7 +292,8 @@ def record_audit(workdir, result, kind: str, *, data: str | None = None) -> dict
                          f"{a.max_epsilon:.4g} (every guess right) is <= its claim {claim:.4g}; use more canaries "
                          "or a smaller claimed epsilon (config.dp.target_epsilon)")
     run_mech = dict(receipt.get("mechanism") or {})
-    run_mech.setdefault("secure_noise", False)  # receipts before the field: secure noise then said so in its text
+    # Receipts written before the field name the secure sampler in their text.
+    run_mech.setdefault("secure_noise", "sum of 4" in str(run_mech.get("noise_sampler", "")))
     differ = {k: (mech[k], run_mech.get(k)) for k in _SAME_IMPLEMENTATION if mech[k] != run_mech.get(k)}
     if receipt.get("accountant") != mech["accountant"]:
         differ["accountant"] = (mech["accountant"], receipt.get("accountant"))
