@@ -92,7 +92,7 @@ def main(argv):
     from jaxdp.training import receipt
     try:  # before the audit: a bad record_in must not cost a whole run
         if config.audit.record_in is not None:
-            receipt.audit_target(config.audit.record_in)
+            receipt.check_same_mechanism(receipt.audit_target(config.audit.record_in), _mechanism(config))
         start = time.time()
         result, data_desc = kinds[config.audit.kind](config)
     except ValueError as e:

@@ -263,6 +263,20 @@ def audit_target(workdir) -> dict:
     return receipt
 
 
+def check_same_mechanism(receipt: dict, mechanism: dict) -> None:
+    """Raises ValueError naming what differs when an audit's `mechanism` (clipping, clip_fn, secure_noise,
+    accountant: `jaxdp.audit_runs`) is not the run's `receipt`'s; the CLI checks it before the audit runs."""
+    run_mech = dict(receipt.get("mechanism") or {})
+    # Receipts written before the field name the secure sampler in their text.
+    run_mech.setdefault("secure_noise", "sum of 4" in str(run_mech.get("noise_sampler", "")))
+    run_mech["accountant"] = receipt.get("accountant")
+    differ = {k: (mechanism[k], run_mech.get(k)) for k in _SAME_IMPLEMENTATION + ("accountant",)
+              if mechanism[k] != run_mech.get(k)}
+    if differ:
+        raise ValueError("the audit runs another mechanism than this run: " + ", ".join(
+            f"{k} {ours!r} (run: {theirs!r})" for k, (ours, theirs) in differ.items()))
+
+
 def record_audit(workdir, result, kind: str, *, data: str | None = None) -> dict:
     """Appends a one-run audit (`jaxdp.audit_runs` result of `kind`) to `workdir`'s receipt; returns the receipt.
 
@@ -291,15 +305,7 @@ def record_audit(workdir, result, kind: str, *, data: str | None = None) -> dict
         raise ValueError(f"this audit could not have caught anything: its largest attainable bound "
                          f"{a.max_epsilon:.4g} (every guess right) is <= its claim {claim:.4g}; use more canaries "
                          "or a smaller claimed epsilon (config.dp.target_epsilon)")
-    run_mech = dict(receipt.get("mechanism") or {})
-    # Receipts written before the field name the secure sampler in their text.
-    run_mech.setdefault("secure_noise", "sum of 4" in str(run_mech.get("noise_sampler", "")))
-    differ = {k: (mech[k], run_mech.get(k)) for k in _SAME_IMPLEMENTATION if mech[k] != run_mech.get(k)}
-    if receipt.get("accountant") != mech["accountant"]:
-        differ["accountant"] = (mech["accountant"], receipt.get("accountant"))
-    if differ:
-        raise ValueError("the audit ran another mechanism than this run: " + ", ".join(
-            f"{k} {ours!r} (run: {theirs!r})" for k, (ours, theirs) in differ.items()))
+    check_same_mechanism(receipt, mech)
     run_data = ((read_json(pathlib.Path(workdir, "config.json")) or {}).get("data") or {}).get("path")
     on_data = (False if data is None else "unknown" if run_data is None else
                _same_data(data, run_data, pathlib.Path(workdir)))
