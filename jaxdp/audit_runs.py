@@ -15,8 +15,8 @@ CLIPPED gradient with the total parameter change, sign-flipped so that
 
 The run claims epsilon = `jaxdp.accounting.epsilon(sigma, q, steps, delta)`
 (PLD unless `accountant="rdp"`); clipping, clip_fn and secure_noise are the
-audited run's (`jaxdp.fused_clip`'s arguments). `bug` plants a privacy bug the claim does not know about, to show that
-the audit can fail:
+audited run's (`jaxdp.fused_clip`'s arguments). `bug` plants a privacy bug
+the claim does not know about, to show that the audit can fail:
 
   "none"         the correct step.
   "half_noise"   noise standard deviation sigma C / 2 (sigma halved).

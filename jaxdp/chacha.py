@@ -88,10 +88,16 @@ def block_words(key, nonce, num_blocks: int) -> list:
 def initial_state(key, nonce):
     """The 16-word state of block 0 (RFC 8439 section 2.3): constants, key, counter 0, nonce; (16,) uint32."""
     xp = _xp(key, nonce)
-    key, nonce = (xp.asarray(a).astype(xp.uint32) for a in (key, nonce))
-    constants = xp.asarray(_EXPAND_32 if key.shape[-1] == 8 else _EXPAND_16, xp.uint32)
-    key = xp.concatenate([key, key]) if key.shape[-1] == 4 else key
-    return xp.concatenate([constants, key, xp.zeros(1, xp.uint32), nonce])
+    constants, key = _expand(xp, xp.asarray(key).astype(xp.uint32))
+    return xp.concatenate([xp.asarray(constants, xp.uint32), key, xp.zeros(1, xp.uint32),
+                           xp.asarray(nonce).astype(xp.uint32)])
+
+
+def _expand(xp, key):
+    """(the four constant words, the 8-word key): a 128-bit key is written twice ("expand 16-byte k")."""
+    if key.shape[-1] == 8:
+        return _EXPAND_32, key
+    return _EXPAND_16, xp.concatenate([key, key], axis=-1)
 
 
 def _block_words(xp, key, nonce, counters) -> list:
@@ -100,9 +106,7 @@ def _block_words(xp, key, nonce, counters) -> list:
     if key.shape[-1:] not in ((4,), (8,)) or nonce.shape[-1:] != (3,) or counters.ndim != 1:
         raise ValueError(f"chacha.blocks takes key (..., 8) or (..., 4), nonce (..., 3) and counters (N,); "
                          f"got {key.shape}, {nonce.shape}, {counters.shape}")
-    constants = _EXPAND_32 if key.shape[-1] == 8 else _EXPAND_16
-    if key.shape[-1] == 4:
-        key = xp.concatenate([key, key], axis=-1)
+    constants, key = _expand(xp, key)
     batch = np.broadcast_shapes(key.shape[:-1], nonce.shape[:-1])
     word = lambda w: xp.broadcast_to(w[..., None], batch + counters.shape)  # noqa: E731
     start = ([word(xp.full(batch, c, xp.uint32)) for c in constants] + [word(key[..., i]) for i in range(8)]

@@ -222,10 +222,11 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
     }
 
 
-def write_privacy_receipt(workdir, receipt: dict) -> None:
-    """Writes `receipt` as `workdir`'s privacy.json, atomically (`write_text_atomic`). Audits already recorded in
-    the file (`record_audit`) are kept when `receipt` has none (a resumed run rewrites its receipt), and the
-    guarantee with those that trained on the run's data is restated (`guarantee_with_audits`)."""
+def write_privacy_receipt(workdir, receipt: dict) -> dict:
+    """Writes `receipt` as `workdir`'s privacy.json, atomically (`write_text_atomic`), and returns what it wrote.
+    Audits already recorded in the file (`record_audit`) are kept when `receipt` has none (a resumed run
+    rewrites its receipt), and the guarantee with those that trained on the run's data is restated
+    (`guarantee_with_audits`)."""
     path = pathlib.Path(workdir, PRIVACY_FILE)
     old = read_json(path) if path.is_file() else None
     if receipt.get("dp") is True and old and old.get("audits") and not receipt.get("audits"):
@@ -239,6 +240,7 @@ def write_privacy_receipt(workdir, receipt: dict) -> None:
             f"({eps:.6g}, {delta:.3g})-DP for the run's data: {len(on_data)} recorded audit(s) trained on it (or "
             "may have), and their released bounds compose with this run (basic composition: epsilons and deltas add)")
     write_text_atomic(path, json.dumps(receipt, indent=2) + "\n")
+    return receipt
 
 
 # What must match between an audit and the run it is recorded into: the implementation it tested.
@@ -322,5 +324,4 @@ def record_audit(workdir, result, kind: str, *, data: str | None = None) -> dict
                      "lower_bound above claimed_epsilon is evidence of a privacy bug; one below proves nothing"}
     receipt["audits"] = list(receipt.get("audits") or []) + [entry]
     receipt.pop("audit", None), receipt.pop("audit_lower_bound", None)  # the one-audit fields of older versions
-    write_privacy_receipt(workdir, receipt)
-    return read_json(pathlib.Path(workdir, PRIVACY_FILE))
+    return write_privacy_receipt(workdir, receipt)

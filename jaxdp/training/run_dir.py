@@ -197,9 +197,7 @@ def write_text_atomic(path, text: str) -> None:
 
 def write_metrics(workdir: pathlib.Path, rows: list[dict]) -> None:
     """Replaces `metrics.jsonl` by `rows` atomically."""
-    tmp = workdir / (METRICS_FILE + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, workdir / METRICS_FILE)
+    write_text_atomic(workdir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def latest_checkpoint_meta(directory: pathlib.Path) -> dict | None:
