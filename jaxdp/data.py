@@ -229,12 +229,13 @@ class TokenWindows:
         return self._unit_order[self._unit_offsets[unit]:self._unit_offsets[unit + 1]]
 
     def units_to_windows(self, units: np.ndarray, mask: np.ndarray, windows_per_unit: int,
-                         rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+                         stream) -> tuple[np.ndarray, np.ndarray]:
         """The windows a batch of sampled units contributes: k = windows_per_unit slots per unit.
 
         Slot block `[i*k, (i+1)*k)` belongs to `units[i]`: min(k, its windows)
-        of its windows, drawn without replacement by `rng` (all of them, in
-        order, when it has at most k), then masked padding slots. Units with
+        of its windows, a uniformly random subset in document order drawn from
+        `stream` (a `jaxdp.sampling.KeyStream`: ChaCha20; all of them when it
+        has at most k), then masked padding slots. Units with
         `mask` False get k masked slots. Returns (window indices, window mask),
         each of shape (len(units) * k,).
         """
@@ -244,7 +245,7 @@ class TokenWindows:
         for i in np.flatnonzero(mask):
             own = self.unit_windows(int(units[i]))
             if own.size > k:
-                own = np.sort(rng.choice(own, size=k, replace=False, shuffle=False))
+                own = own[stream.subset(own.size, k)]
             indices[i, :own.size], slot_mask[i, :own.size] = own, True
         return indices.reshape(-1), slot_mask.reshape(-1)
 

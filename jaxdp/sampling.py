@@ -276,7 +276,7 @@ class PoissonSampler:
         binomial tail.
       seed: int >= 0, or None (default) for a secret seed from the operating
         system's entropy. Step s, attempt a draws from
-        `np.random.default_rng(jaxdp.noise.derive_seed(seed, "poisson", s, a))`.
+        `KeyStream(jaxdp.noise.derive_seed(seed, "poisson", s, a))`.
         Keep a pinned seed secret: it reproduces every batch.
       overflow: what to do when a draw exceeds max_batch_size: "truncate",
         "resample" or "error" (see the module docstring for what each does to

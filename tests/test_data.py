@@ -9,7 +9,7 @@ import secrets
 import numpy as np
 import pytest
 
-from jaxdp import data
+from jaxdp import data, sampling
 
 # Small documents with non-ASCII text; long enough for a few windows.
 _DOCS = [
@@ -358,7 +358,7 @@ def test_units_to_windows(bpe, tmp_path):
     sizes = [w.unit_windows(u).size for u in range(w.num_units)]
     assert min(sizes) > 3
     units, mask = np.array([2, 0, 1, 0]), np.array([True, True, True, False])
-    idx, slot_mask = w.units_to_windows(units, mask, 3, np.random.default_rng(1))
+    idx, slot_mask = w.units_to_windows(units, mask, 3, sampling.KeyStream(1))
     assert idx.shape == slot_mask.shape == (12,)
     for i, (u, m) in enumerate(zip(units, mask)):
         block, bmask = idx[3 * i:3 * i + 3], slot_mask[3 * i:3 * i + 3]
@@ -366,12 +366,21 @@ def test_units_to_windows(bpe, tmp_path):
             assert not bmask.any()
             continue
         assert bmask.all() and len(set(block)) == 3 and (w.window_unit[block] == u).all()
-    again = w.units_to_windows(units, mask, 3, np.random.default_rng(1))
+        assert (np.diff(block) > 0).all()  # document order
+    again = w.units_to_windows(units, mask, 3, sampling.KeyStream(1))
     np.testing.assert_array_equal(again[0], idx)
     # A unit with fewer windows than k: all of them, in order, then masked slots.
-    idx, slot_mask = w.units_to_windows(np.array([0]), np.array([True]), sizes[0] + 2, np.random.default_rng(2))
+    idx, slot_mask = w.units_to_windows(np.array([0]), np.array([True]), sizes[0] + 2, sampling.KeyStream(2))
     np.testing.assert_array_equal(idx[:sizes[0]], w.unit_windows(0))
     assert slot_mask.sum() == sizes[0] and not slot_mask[sizes[0]:].any()
+    # Each of a unit's n windows is used with probability k / n (ChaCha20 streams of fresh seeds).
+    n, k, draws = sizes[1], 2, 600
+    counts = np.zeros(w.num_windows)
+    for seed in np.random.default_rng().integers(0, 2**62, draws):
+        np.add.at(counts, w.units_to_windows(np.array([1]), np.array([True]), k, sampling.KeyStream(int(seed)))[0], 1)
+    p = k / n
+    got = counts[w.unit_windows(1)] / draws
+    assert counts.sum() == k * draws and np.all(np.abs(got - p) < 5 * np.sqrt(p * (1 - p) / draws)), got
 
 
 def test_large_vocabulary_uses_uint32(tmp_path):

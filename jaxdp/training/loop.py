@@ -29,6 +29,7 @@ from flax import nnx
 
 from jaxdp import data as data_lib
 from jaxdp import noise as noise_lib
+from jaxdp import sampling
 from jaxdp.privacy_budget import BudgetTracker
 from jaxdp.training.config import build_model, runs_sharded_step
 from jaxdp.training.generation import write_samples
@@ -238,8 +239,8 @@ def _logical_step(config, p: Prepared, step: int, step_fn, model, optimizer, tra
     k_unit = config.privacy.windows_per_unit  # windows per sampled unit (1: the unit is a window)
     indices, mask = p.sampler.sample(step)
     if config.privacy.unit != "window":  # units -> k_unit window slots each, a unit per block
-        rng = np.random.default_rng(p.derive_seed(noise_lib.UNIT_WINDOWS, step))
-        indices, mask = p.train.units_to_windows(indices, mask, k_unit, rng)
+        stream = sampling.KeyStream(p.derive_seed(noise_lib.UNIT_WINDOWS, step))
+        indices, mask = p.train.units_to_windows(indices, mask, k_unit, stream)
     tokens = p.train.get(indices)
     count = int(mask.sum())  # windows
     mb = p.sampler.max_batch_size // k * k_unit  # windows per micro-batch: whole units
