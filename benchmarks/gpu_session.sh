@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_session.sh step_b16      # the same at micro-batch 16
 #   bash benchmarks/gpu_session.sh step_16k      # GPT-2 small, seq 16384, micro-batch 1 (flat auto >= 0.70)
 #   bash benchmarks/gpu_session.sh step_medium   # GPT-2 medium, seq 1024, micro-batch 4 and 16
+#   bash benchmarks/gpu_session.sh secure        # secure_noise (ChaCha20 in a Triton kernel) vs plain auto, small B 4
 #   bash benchmarks/gpu_session.sh kernels       # kernel times vs the non-DP weight gradient (in-program timing)
 #   bash benchmarks/gpu_session.sh long_context  # LongShield target: with remat, DP's max context = non-DP's
 #   bash benchmarks/gpu_session.sh two_pass      # the same sweep with dp_method=two_pass
@@ -71,7 +72,7 @@ case "${1:-}" in
     # Triton kernels vs plain-jnp references; fused_clip (every strategy) vs vmap DP-SGD; two-pass; the clip
     # bound under cancellation with the GPU's GEMMs (TF32 would void it).
     run 420 check python3 -m pytest -q -x -p no:cacheprovider tests/test_pallas_kernels.py \
-      tests/test_pallas_fused_clip.py tests/test_two_pass.py tests/test_norm_rounding.py
+      tests/test_pallas_fused_clip.py tests/test_two_pass.py tests/test_norm_rounding.py tests/test_chacha.py
     ;;
   step_b4)
     header
@@ -91,6 +92,10 @@ case "${1:-}" in
     run 570 step_medium "${STEP[@]}" --configs=medium:4:1024,medium:16:1024 --methods=explicit,auto,per_layer,pallas_per_layer \
       --out="$OUT/step_medium.json"
     ;;
+  secure)
+    header
+    run 570 secure "${STEP[@]}" --configs=small:4:1024 --methods=auto,auto_secure --out="$OUT/secure.json"
+    ;;
   long_context)
     header
     run 560 long_context "${LONG_CONTEXT[@]}" --out="$OUT/long_context.json"
@@ -105,7 +110,7 @@ case "${1:-}" in
       --batch_sizes=4,16 --out="$OUT/bench_kernels.json"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh check|step_b4|step_b16|step_16k|step_medium|kernels|long_context|two_pass" >&2
+    echo "usage: bash benchmarks/gpu_session.sh check|step_b4|step_b16|step_16k|step_medium|secure|kernels|long_context|two_pass" >&2
     exit 2
     ;;
 esac
