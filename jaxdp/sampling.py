@@ -13,8 +13,9 @@ depends on the data set and is not protected by the noise.
 A draw is a Binomial(N, q) size followed by a uniformly random subset of that
 size, which is the same distribution as N independent coin flips (Beltran et
 al. 2024, arXiv:2406.17298, Lemma 1) at O(batch) cost instead of O(N): the size
-by inverting the binomial CDF (summed exactly over a window holding all but
-1e-300 of the mass), the subset by Floyd's algorithm with exact uniform
+by comparing a 128-bit uniform integer with the binomial CDF's exact thresholds
+(`jaxdp.binomial`: total-variation distance from Binomial(N, q) below 1e-30,
+where a float64 inverse CDF is ~1e-13 off), the subset by Floyd's algorithm with exact uniform
 integers (Lemire's multiply-and-reject). The draw for step s (attempt a, see
 "resample") uses only the ChaCha20 keystream (`jaxdp.chacha`, a cryptographically
 secure generator) keyed by `jaxdp.noise.derive_seed(seed, "poisson", s, a)`, so a
@@ -90,49 +91,13 @@ import operator
 
 import numpy as np
 
-from jaxdp import chacha
+from jaxdp import binomial, chacha
 from jaxdp import noise as noise_lib
 
 OVERFLOW_MODES = ("truncate", "resample", "error")
 DEFAULT_MAX_OVERFLOW_PROBABILITY = 1e-9
 _MAX_RESAMPLE_ATTEMPTS = 1000
 _DOMAIN = "poisson"  # derive_seed(seed, _DOMAIN, step, attempt): the stream of one draw
-
-# ---------------------------------------------------------------- binomial tail
-# No scipy: the binomial pmf is summed exactly over a window around the mean.
-# Bernstein's inequality, P(|X - nq| >= t) <= 2 exp(-t^2 / (2 (var + t / 3))),
-# bounds the mass outside mean +- t; t is chosen so that it is below 1e-300,
-# i.e. the window sums are exact to double precision.
-_LOG_OUTSIDE_MASS = math.log(1e300)
-
-
-def _window(n: int, q: float) -> tuple[int, int]:
-    """[lo, hi] holding all but < 1e-300 of the Binomial(n, q) mass on each side."""
-    mean, var, big_l = n * q, n * q * (1 - q), _LOG_OUTSIDE_MASS
-    t = big_l / 3 + math.sqrt(big_l**2 / 9 + 2 * big_l * var)
-    return max(0, math.floor(mean - t)), min(n, math.ceil(mean + t))
-
-
-def _binomial_pmf(n: int, q: float, lo: int, hi: int) -> np.ndarray:
-    """P(X = k) for k in [lo, hi], X ~ Binomial(n, q), 0 < q < 1."""
-    log_pmf_lo = (math.lgamma(n + 1) - math.lgamma(lo + 1) - math.lgamma(n - lo + 1)
-                  + lo * math.log(q) + (n - lo) * math.log1p(-q))
-    k = np.arange(lo, hi, dtype=np.float64)  # pmf(k + 1) / pmf(k), k in [lo, hi)
-    log_ratio = np.log(n - k) - np.log(k + 1) + (math.log(q) - math.log1p(-q))
-    return np.exp(log_pmf_lo + np.concatenate([[0.0], np.cumsum(log_ratio)]))
-
-
-def _binomial_sf(n: int, q: float, k: int) -> float:
-    """P(X > k) for X ~ Binomial(n, q)."""
-    if k >= n:
-        return 0.0
-    if k < 0 or q == 1:
-        return 1.0
-    lo, hi = _window(n, q)
-    if k + 1 > hi:
-        return 0.0
-    return float(_binomial_pmf(n, q, max(lo, k + 1), hi).sum())
-
 
 class KeyStream:
     """Uniform draws from the ChaCha20 keystream of a 256-bit seed (nonce 0): a CSPRNG, host-side."""
@@ -155,10 +120,6 @@ class KeyStream:
         out, self._buffer = self._buffer[:count], self._buffer[count:]
         return out
 
-    def uniform(self) -> float:
-        """Uniform on [0, 1), 53 random bits."""
-        return int(self.words64(1)[0] >> np.uint64(11)) * 2.0**-53
-
     def below(self, bound: int, word: int | None = None) -> int:
         """Exactly uniform on [0, bound) (Lemire's multiply-and-reject; `word`: the first 64-bit word to use)."""
         threshold = (2**64 - bound) % bound
@@ -179,24 +140,10 @@ class KeyStream:
         return np.sort(np.fromiter(chosen, np.int64, k))
 
     def binomial(self, n: int, q: float) -> int:
-        """A Binomial(n, q) draw by inverting its CDF over the window holding all but 1e-300 of the mass."""
-        if q >= 1:
-            return n
-        lo, hi = _window(n, q)
-        cdf = np.cumsum(_binomial_pmf(n, q, lo, hi))
-        return min(hi, lo + int(np.searchsorted(cdf, self.uniform() * cdf[-1], side="right")))
-
-
-def _smallest_max_batch_size(n: int, q: float, max_overflow_probability: float) -> int:
-    """Smallest b >= 1 with P(Binomial(n, q) > b) < max_overflow_probability."""
-    if q == 1:
-        return n
-    # A binomial's median is >= floor(mean), so P(X > b) >= 1/2 for every
-    # b < floor(mean): with max_overflow_probability <= 1/2 the answer is >= lo.
-    lo, hi = math.floor(n * q), _window(n, q)[1]
-    pmf = _binomial_pmf(n, q, lo, hi)
-    tail = np.append(np.cumsum(pmf[::-1])[::-1][1:], 0.0)  # tail[i] = P(X > lo + i)
-    return max(1, lo + int(np.argmax(tail < max_overflow_probability)))
+        """A Binomial(n, q) draw: a 128-bit uniform integer against the exact CDF thresholds of
+        `jaxdp.binomial` (total-variation error < 1e-30)."""
+        hi, lo = (int(w) for w in self.words64(2))
+        return binomial.draw(n, q, (hi << 64) | lo)
 
 
 # ---------------------------------------------------------------- delta slack
@@ -253,7 +200,7 @@ def max_batch_size_for_delta(num_examples: int, expected_batch_size: float, step
     log_p = math.log(slack_fraction * delta) - math.log(steps) - _log1p_exp(epsilon)
     if log_p < math.log(1e-300):  # below the binomial tail's resolution: take no risk
         return n + 1
-    return _smallest_max_batch_size(n + 1, expected_batch_size / n, math.exp(log_p))
+    return binomial.smallest_size_above(n + 1, expected_batch_size / n, math.exp(log_p))
 
 
 def _log1p_exp(x: float) -> float:
@@ -330,7 +277,7 @@ class PoissonSampler:
         self.overflow = overflow
         q = self.sampling_probability
         if max_batch_size is None:
-            max_batch_size = min(num_examples, _smallest_max_batch_size(
+            max_batch_size = min(num_examples, binomial.smallest_size_above(
                 num_examples + 1, q, max_overflow_probability))
         max_batch_size = operator.index(max_batch_size)
         if max_batch_size < 1:
@@ -347,8 +294,7 @@ class PoissonSampler:
     @property
     def overflow_probability(self) -> float:
         """P(Binomial(num_examples + 1, q) > max_batch_size): the p of the delta slack."""
-        return _binomial_sf(self.num_examples + 1, self.sampling_probability,
-                            self.max_batch_size)
+        return binomial.sf(self.num_examples + 1, self.sampling_probability, self.max_batch_size)
 
     def sample(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The batch of step `step`, a function of (seed, step) only.

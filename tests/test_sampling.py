@@ -2,11 +2,13 @@
 
 import math
 import secrets
+from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 import pytest
 
-from jaxdp import chacha, noise, sampling
+from jaxdp import binomial, chacha, noise, sampling
 
 # Tolerances are in standard deviations of the statistic under test. With the
 # seeds fixed the tests are deterministic; Z makes a false failure under a
@@ -262,6 +264,53 @@ def test_error_mode_raises_on_overflow():
     with pytest.raises(RuntimeError, match="max_batch_size"):
         small.sample(step)
 
+
+
+def _size_law(lo, th):
+    """The probability of each size lo, lo + 1, ... that `binomial.draw` gives a uniform 128-bit integer."""
+    return [Fraction(b - a, 2**binomial.UNIFORM_BITS) for a, b in zip((0,) + th[:-1], th)]
+
+
+def _float64_thresholds(n, q):
+    """The float64 inverse CDF the sampler used before (a planted error for the test below)."""
+    lo, pmf = binomial.table(n, q)
+    cdf = np.cumsum(np.array([float(p) for p in pmf]))
+    return lo, tuple(int(min(c / cdf[-1], 1.0) * 2**53) << 75 for c in cdf)
+
+
+@pytest.mark.parametrize("n,q", [(40, 0.3), (300, 0.1), (600, 0.004), (257, 1 - 2.0**-20)])
+def test_drawn_size_is_binomial_to_2_pow_minus_127(n, q):
+    """Each size's probability under `draw` is the exact binomial pmf (math.comb, q as its binary fraction) to
+    2^-127; the float64 inverse CDF the sampler used before is off by > 1e-19 somewhere (attacker review 18:
+    1e-14 to 7e-13 of total variation per step at n = 1e5-1e7, paid nowhere in delta)."""
+    exact_q = Fraction(q)
+    lo, th = binomial.thresholds(n, q)
+    exact = [math.comb(n, k) * exact_q**k * (1 - exact_q) ** (n - k) for k in range(lo, lo + len(th))]
+    assert sum(exact) > 1 - Fraction(1, 10**300)  # the window holds all but < 2e-300
+    worst = max(abs(p - e) for p, e in zip(_size_law(lo, th), exact))
+    assert worst <= Fraction(1, 2**127), float(worst)
+    lo, pmf = binomial.table(n, q)
+    assert max(abs(Fraction(p) - e) for p, e in zip(pmf, exact)) < Fraction(1, 10**45)
+    lo, th64 = _float64_thresholds(n, q)
+    assert max(abs(p - e) for p, e in zip(_size_law(lo, th64), exact)) > Fraction(1, 10**19)
+
+
+def test_binomial_tails_stay_exact_at_huge_n():
+    """sf at n = 1e14 (the float64 pmf without normalisation gave 0.88x the tail; review 18) against
+    Poisson(100), which Binomial(1e14, 1e-12) equals to ~1e-10; and tails far below float64's resolution."""
+    n, q, k = 10**14, 1e-12, 130
+    lam = Decimal(n) * Decimal(q)
+    term, head = (-lam).exp(), Decimal(0)
+    for j in range(k + 1):
+        head += term
+        term = term * lam / (j + 1)
+    assert binomial.sf(n, q, k) == pytest.approx(float(1 - head), rel=1e-6)
+    def tail(n, q, b):  # exact, where _exact_tail's floats underflow
+        q = Fraction(q)
+        return sum(math.comb(n, k) * q**k * (1 - q) ** (n - k) for k in range(b + 1, n + 1))
+    assert binomial.sf(300, 0.01, 120) / float(tail(300, 0.01, 120)) == pytest.approx(1, rel=1e-12)  # ~1e-156
+    b = binomial.smallest_size_above(301, 0.01, 1e-150)
+    assert tail(301, 0.01, b) < Fraction(1e-150) <= tail(301, 0.01, b - 1)
 
 # ---------------------------------------------------------------- default size
 
