@@ -43,7 +43,7 @@ from jaxdp import auditing
 from jaxdp import nn
 from jaxdp.fused_clip import fused_clip
 from jaxdp.losses import lm_losses
-from jaxdp.noise import secret_seed
+from jaxdp.noise import derive_seed, noise_key_from_seed, secret_seed
 from jaxdp.per_example import per_example_grads
 from jaxdp.sampling import PoissonSampler
 from jaxdp.terms import DenseTerm, FactoredGrad, LinearTerm, is_factored
@@ -172,7 +172,8 @@ def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: 
     mechanism = _mechanism(clipping, clip_fn, secure_noise, accountant, l2_norm_clip)
     q, m, n = float(sampling_probability), num_canaries, num_examples
     sigma, claimed = _claim(target_epsilon, noise_multiplier, q, steps, delta, accountant)
-    rng = np.random.default_rng(secret_seed() if seed is None else seed)
+    root = secret_seed() if seed is None else seed
+    rng = np.random.default_rng(derive_seed(root, "audit_canaries"))  # the audit's own choices, not the DP step's
     included = auditing.draw_inclusion(m, rng)
 
     side = math.isqrt(m - 1) + 1                     # P = D = ceil(sqrt(m)): P * D >= m kernel entries
@@ -182,7 +183,7 @@ def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: 
     y_N = np.argmax(x_NP @ rng.normal(size=(side, side)), axis=1).astype(np.int32)
     model = _SoftmaxRegression(side, side, rngs=nnx.Rngs(int(rng.integers(2**31))))
     expected_batch_size = q * (n + m / 2)
-    key = jax.random.key(int(rng.integers(2**31)))
+    key = noise_key_from_seed(derive_seed(root, "audit_noise"))  # 256 bits, as the job's noise key
     tx = optax.chain(_privatizer(bug, l2_norm_clip, sigma, expected_batch_size, key, mechanism),
                      optax.sgd(learning_rate))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -290,15 +291,17 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, 
     n, m = windows.shape[0], num_canaries
     if not 0 < batch_size <= n + m / 2:
         raise ValueError(f"batch_size must be in (0, n + m / 2] = (0, {n + m / 2}], got {batch_size!r}")
-    rng = np.random.default_rng(secret_seed() if seed is None else seed)
+    root = secret_seed() if seed is None else seed
+    rng = np.random.default_rng(derive_seed(root, "audit_canaries"))  # the audit's own choices, not the DP step's
     canaries = random_token_canaries(m, windows.shape[1], vocab_size, rng)
     included = auditing.draw_inclusion(m, rng)
     records = np.concatenate([windows, canaries[included]]).astype(np.int32)
     mechanism = _mechanism(clipping, clip_fn, secure_noise, accountant, l2_norm_clip)
     q = batch_size / (n + m / 2)
     sigma, claimed = _claim(target_epsilon, noise_multiplier, q, steps, delta, accountant)
-    sampler = PoissonSampler(len(records), q * len(records), seed=int(rng.integers(2**62)), overflow=overflow)
-    key = jax.random.key(int(rng.integers(2**31)))
+    sampler = PoissonSampler(len(records), q * len(records), seed=derive_seed(root, "audit_sampler"),
+                             overflow=overflow)
+    key = noise_key_from_seed(derive_seed(root, "audit_noise"))  # 256 bits from the root, as the job's
     tx = optax.chain(_privatizer(bug, l2_norm_clip, sigma, batch_size, key, mechanism), optax.adam(learning_rate))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     loss_before = _canary_losses(model, canaries, sampler.max_batch_size)
