@@ -104,6 +104,15 @@ SNAP_BITS = 8     # secure=True rounds the released sum to a grid of std / 2^8 .
 _RATCHET = (0xFFFFFFFF,) * 3  # the ChaCha20 nonce that turns a state key into (next key, step key)
 
 
+GUESSABLE_SEED = 2**64  # a pinned seed below it can be found by search (attacker review 18: seed 3, 8 replays)
+
+
+def guessable_seed(seed: int) -> bool:
+    """Whether a pinned `seed` is small enough to search for: with it anyone replays the noise and batches.
+    A seed drawn as `secret_seed()` (128 bits) is below 2^64 with probability 2^-64."""
+    return seed < GUESSABLE_SEED
+
+
 def secret_seed(bits: int = _SEED_BITS) -> int:
     """A `bits`-bit seed from the operating system's entropy source. On several processes (multi-host),
     process 0's, broadcast, so every process samples the same batches and adds the same noise (each

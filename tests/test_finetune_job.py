@@ -185,7 +185,8 @@ def test_run_directory_of_the_pretraining_job(lora_run, init_run):
     assert "accuracy" in json.dumps(receipt["outside_the_guarantee"])
     # the init weights: needed to use the model, outside this epsilon (the attacker's review, 2026-11-24)
     # the tokenizer is the init's, not learned from this run's data (attacker review 8)
-    assert receipt["guarantee"].endswith("given the init weights and their tokenizer (see outside_the_guarantee)")
+    assert receipt["guarantee"].endswith("given the number N of training documents and the init weights and their "
+                                         "tokenizer (see outside_the_guarantee)")
     assert "tokenizer/ (the init's)" in receipt["outside_the_guarantee"]
     assert not any("trained bpe" in k for k in receipt["outside_the_guarantee"])
     assert receipt["init_weights"]["path"] == str(init_run) and "the init weights (config.finetune.init)" in \

@@ -167,6 +167,7 @@ def test_privacy_receipt_states_what_ran_and_holds_no_secret(reference_run):
     assert smp["slack_note"].startswith("a draw above max_batch_size is truncated")
     assert set(receipt._OVERFLOW_NOTE) == set(sampling.OVERFLOW_MODES)
     assert any(k.startswith("samples.txt") for k in r["outside_the_guarantee"])  # decoded by a trained bpe
+    assert r["guarantee"].startswith("NONE as run")  # the tiny run pins root 0: guessable
     text = (workdir / receipt.PRIVACY_FILE).read_text()
     root = run_dir.Checkpointer(workdir / "checkpoints")
     meta = root.restore_meta(root.latest_step())
@@ -257,6 +258,14 @@ def test_fresh_runs_draw_secret_roots(reference_run, corpus, tmp_path):
             for name in "ab")  # a fixed sigma: no calibration
     assert a.root_seed != b.root_seed and not a.seed_pinned
     assert a.config_json["seed"] is None
+    # A guessable pinned seed (< 2^64; review 18 found seed 3 by replaying 8 seeds) voids the guarantee in
+    # the receipt; a fresh root or a pinned 128-bit secret does not.
+    from jaxdp.training import receipt
+    for seed, voided in ((None, False), (2**127 + 12345, False), (2**64 - 1, True), (3, True)):
+        cfg = tiny_config(corpus, tmp_path / f"s{seed}", seed=seed, **{"dp.noise_multiplier": 1.0})
+        r = receipt.privacy_receipt(cfg, training.prepare(cfg), steps=1, epsilon=1.0, overflowed_steps=0)
+        assert r["guarantee"].startswith("NONE as run: config.seed was pinned below 2^64") == voided, seed
+        assert "(1, " in r["guarantee"] and "-DP for adding or removing one training" in r["guarantee"], r
     assert a.sampler.seed == noise.derive_seed(a.root_seed, noise.SAMPLER) != b.sampler.seed
     assert not np.array_equal(a.sampler.sample(0)[0], b.sampler.sample(0)[0])
     workdir, _ = reference_run

@@ -84,7 +84,12 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
       verbose: progress bar and messages on stderr.
     """
     p = prepared or prepare(config, progress=data_lib.stderr_progress if verbose else None)
-    if p.seed_pinned:
+    if p.seed_pinned and config.dp.enabled and noise_lib.guessable_seed(p.root_seed):
+        log("WARNING: config.seed is pinned below 2^64: an attacker can search for it and replay the noise and "
+            "the batches, so this run has NO privacy guarantee (privacy.json says so). For a private run leave "
+            "config.seed unset, or pin a secret 128-bit value: python -c 'import secrets; "
+            "print(secrets.randbits(128))'", verbose)
+    elif p.seed_pinned:
         log("config.seed is pinned: the privacy guarantee assumes this seed is secret "
             "(it reproduces the noise and the batches) and is never pinned for another released run "
             "(two runs with one seed share their noise)", verbose)

@@ -59,7 +59,10 @@ _OVERFLOW_NOTE = {  # config.dp.overflow: what a draw above max_batch_size does 
 OUTSIDE_THE_GUARANTEE = {
     "metrics.jsonl, loss.png, summary.json, stderr": "noiseless training loss on private batches, "
                                                       "validation loss (and a fine-tuning run's held-out "
-                                                      "accuracy) on private held-out text, N",
+                                                      "accuracy) on private held-out text, N, and each "
+                                                      "step's realised batch size (the loss is a mean over "
+                                                      "the sampled units, 0.0 for an empty step; tokens/s "
+                                                      "counts the sampled tokens)",
     "checkpoints/": "the secret root seed and noise key: with them the noise can be subtracted",
     "tokenizer/ (a trained bpe<N>)": "learned from the private text without privacy; the model's guarantee "
                                      "holds given the tokenizer: removing a unit can change the vocabulary "
@@ -68,7 +71,11 @@ OUTSIDE_THE_GUARANTEE = {
     "samples.txt (with a trained bpe<N>)": "decoded through that tokenizer's vocabulary, strings learned from "
                                            "the private text: share samples.txt only with the tokenizer",
     "privacy.json, epsilon.png (sampling_probability)": "q = batch_size / N, with config.json's batch_size, "
-                                                        "gives N: the number of units (users) in the data",
+                                                        "gives N: the number of units (users) in the data. "
+                                                        "q, sigma, max_batch_size and the default delta are "
+                                                        "computed from N, so the guarantee is stated given N "
+                                                        "(attacker review 18): between neighbours with N and "
+                                                        "N + 1 units these values differ and tell them apart",
     "the token cache (config.data.cache_dir)": "the private text's tokens",
     "hyperparameters": "chosen by looking at private metrics, they are outside the guarantee",
 }
@@ -132,6 +139,10 @@ def _same_bytes(a: pathlib.Path, b: pathlib.Path) -> bool:
     return a.stat().st_size == b.stat().st_size and filecmp.cmp(a, b, shallow=False)
 
 
+GUESSABLE_SEED_NOTE = ("NONE as run: config.seed was pinned below 2^64, a value an attacker can search for, and "
+                       "with it replay the batches and subtract the noise; for a secret seed it would be: ")
+
+
 def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
                     overflowed_steps: int) -> dict:
     """The receipt of a run of `config` (`prepared` = `prepare(config)`) after `steps` steps."""
@@ -142,10 +153,11 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
     sampler, unit, k = p.sampler, config.privacy.unit, config.privacy.windows_per_unit
     init = _init_weights(config)
     public_tokenizer = config.data.tokenizer == "gpt2"
+    size = f"the number N of training {unit}s"
     if init is None:
-        given, outside = ([] if public_tokenizer else ["the tokenizer"]), OUTSIDE_THE_GUARANTEE
+        given, outside = [size] + ([] if public_tokenizer else ["the tokenizer"]), OUTSIDE_THE_GUARANTEE
     else:  # a fine-tuning run's tokenizer is its init's (jaxdp.finetune_job): as private or public as they are
-        given = ["the init weights" + ("" if public_tokenizer else " and their tokenizer")]
+        given = [size, "the init weights" + ("" if public_tokenizer else " and their tokenizer")]
         outside = {k: v for k, v in OUTSIDE_THE_GUARANTEE.items() if not k.startswith(("tokenizer/", "samples.txt"))}
         outside["the init weights (config.finetune.init)"] = f"see init_weights: {init['note']}"
         if not public_tokenizer and init["trained_on_this_data"] is True:
@@ -159,10 +171,13 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
             outside["tokenizer/ (the init's)"] = ("the init checkpoint's own tokenizer, not learned from this run's "
                                                   "data: share it, and samples.txt decoded through it, as the init "
                                                   "weights' source allows")
+    guessable = p.seed_pinned and noise_lib.guessable_seed(p.root_seed)
     return {
         "dp": True,
-        "guarantee": f"({epsilon:.6g}, {p.delta:.3g})-DP for adding or removing one training {unit}" + (
-            f", given {' and '.join(given)} (see outside_the_guarantee)" if given else ""),
+        "guarantee": (GUESSABLE_SEED_NOTE if guessable else "") + (
+            f"({epsilon:.6g}, {p.delta:.3g})-DP for adding or removing one training {unit}") + (
+            f", given {', '.join(given[:-1]) + ' and ' if len(given) > 1 else ''}{given[-1]} "
+            "(see outside_the_guarantee)"),
         "unit": unit,
         "unit_note": _unit_note(config),
         "adjacency": f"add or remove one {unit}" + (" (all its windows)" if unit != "window" else ""),
@@ -214,7 +229,8 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
             "slack_note": _OVERFLOW_NOTE[dp.overflow] + "; the probability that any step overflows is paid "
                           "inside delta as (1 + e^epsilon) x steps x overflow_probability",
         },
-        "randomness": ("config.seed pinned: the guarantee assumes the seed is secret" if p.seed_pinned else
+        "randomness": (GUESSABLE_SEED_NOTE.rstrip(": ") if guessable else
+                       "config.seed pinned: the guarantee assumes the seed is secret" if p.seed_pinned else
                        "a 128-bit root seed from the operating system, kept only in checkpoints/"),
         "audits": [],
         **({} if init is None else {"init_weights": init}),
