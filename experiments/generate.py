@@ -3,7 +3,8 @@
     python -m experiments.generate --workdir=runs/pretrain_gpt2 --prompt="In the"
 
 The shareable part of a run directory is enough: `model/`, `config.json` and
-`tokenizer/` (README, "What is protected").
+`tokenizer/` (README, "What is protected"); for a fine-tuning run also its init
+weights (`config.finetune.init`), on which `model/` holds the trained parameters.
 """
 
 import sys
@@ -26,6 +27,11 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     from jaxdp import training
+    if _TOP_K.value < 0 or not _TEMPERATURE.value >= 0 or _TOKENS.value < 1 or _SAMPLES.value < 1:
+        print(f"error: need --top_k >= 0 (0: all tokens), --temperature >= 0 (0: greedy), --num_tokens >= 1 and "
+              f"--num_samples >= 1; got {_TOP_K.value}, {_TEMPERATURE.value}, {_TOKENS.value}, {_SAMPLES.value}",
+              file=sys.stderr)
+        return 2
     try:
         model, tokenizer, _ = training.load_for_generation(_WORKDIR.value)
     except (training.ConfigError, ValueError) as e:

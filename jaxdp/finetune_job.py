@@ -233,6 +233,20 @@ def load_finetuned(p: Prepared) -> nnx.Module:
     return model
 
 
+def untrained_model(run_config: dict, model_config) -> nnx.Module:
+    """A fine-tuning run's model before its trained parameters are read (`read_trained`): the init weights of
+    its config.json (`run_config`) with its method applied; `model_config` the run's (compute settings may
+    differ). ConfigError when the init weights are not where the run read them."""
+    ft = config_dict.ConfigDict(run_config["finetune"])
+    try:
+        kind = _init_kind(ft.init)
+    except ConfigError as e:
+        raise ConfigError(f"this is a fine-tuning run: its {MODEL_DIR}/{PARAMS_FILE} holds only the parameters its "
+                          f"method ({ft.method}) trained, which go on its init weights; {e}") from None
+    model = _pretrained(ft.init, kind, model_config)
+    return finetune.prepare(model, ft.method, rngs=nnx.Rngs(0), **method_kwargs(config_dict.ConfigDict(run_config)))
+
+
 def heldout_documents(config) -> list[str]:
     """The documents of the run's validation split (`jaxdp.data.split_documents`, as the job splits)."""
     docs, ids = data_lib.load_corpus(config.data.path, id_field=config.data.id_field)

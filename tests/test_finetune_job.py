@@ -26,7 +26,7 @@ import pytest
 from flax import nnx
 
 from experiments.configs import finetune as finetune_config
-from jaxdp import finetune_job, nn, tasks, training
+from jaxdp import finetune, finetune_job, nn, tasks, training
 from jaxdp.losses import completion_losses, lm_losses
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.hf_gpt2 import save_hf_gpt2
@@ -256,6 +256,29 @@ def test_a_fine_tuning_run_is_not_an_init(lora_run, task, tmp_path):
     with pytest.raises(training.ConfigError, match="is a fine-tuning run") as e:
         finetune_job.prepare(config_of(task, p.workdir, tmp_path / "chained"))
     assert "\n" not in str(e.value)
+
+
+def test_generation_reads_a_fine_tuning_run(lora_run, tmp_path):
+    """`experiments.generate` on a fine-tuning run (the fresh-user walkthrough: a KeyError, since model/ holds
+    only the trained LoRA parameters): the init weights with the run's parameters on them, logits equal to the
+    job's own model; a moved init is one line naming it; a soft prompt leaves fewer positions for tokens."""
+    p, _, _ = lora_run
+    model, tokenizer, _ = training.load_for_generation(p.workdir)
+    tokens = np.random.default_rng().integers(0, tokenizer.vocab_size, (2, 16)).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(finetune_job.load_finetuned(p)(tokens)))
+    assert len(training.generate(model, [1, 2, 3], 4, seed=0)) == 4
+    moved = tmp_path / "run"
+    shutil.copytree(p.workdir, moved)
+    cfg = json.loads((moved / run_dir.CONFIG_FILE).read_text())
+    cfg["finetune"]["init"] = str(tmp_path / "gone")
+    (moved / run_dir.CONFIG_FILE).write_text(json.dumps(cfg))
+    with pytest.raises(training.ConfigError, match="this is a fine-tuning run: .* trained, which go on its init") as e:
+        training.load_for_generation(moved)
+    assert "\n" not in str(e.value)
+    prompted = finetune.add_soft_prompt(nnx.clone(model), length=5, rngs=nnx.Rngs(0))
+    assert len(training.generate(prompted, list(range(40)), 3, seed=0)) == 3  # seq_len 32 - 5 positions
+    with pytest.raises(ValueError, match="top_k must be"):
+        training.generate(model, [1], 1, top_k=-5)
 
 
 def test_init_fingerprint_follows_symlinks_and_skips_the_run(tmp_path):

@@ -35,9 +35,15 @@ def generate(model: nnx.Module, prompt: list[int], num_tokens: int, *, seed: int
              key: jax.Array | None = None, temperature: float = 1.0, top_k: int | None = 40) -> list[int]:
     """Samples `num_tokens` continuation ids of `prompt` (a fixed-shape window of the model's length).
 
-    The sampling key is `key`, else `jax.random.key(seed)`.
+    The sampling key is `key`, else `jax.random.key(seed)`. A model with a soft prompt (prompt tuning) has
+    its length fewer positions for tokens.
     """
-    T = model.config.seq_len
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None (all tokens) or an integer >= 1, got {top_k!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature!r}")
+    soft_prompt = getattr(model, "soft_prompt", None)
+    T = model.config.seq_len - (0 if soft_prompt is None else soft_prompt.length)
     ids = list(prompt)[-(T - 1):] if len(prompt) >= T else list(prompt)
     key = jax.random.key(seed) if key is None else key
     out = []
@@ -85,7 +91,9 @@ def load_for_generation(workdir) -> tuple[nnx.Module, data_lib.Tokenizer, dict]:
     """(model with the run's final parameters, tokenizer, config json) of a run directory.
 
     The parameters come from `model/` (the shareable model a finished run
-    writes), else from the latest checkpoint (an interrupted run). The model is
+    writes), else from the latest checkpoint (an interrupted run). A fine-tuning
+    run's `model/` holds only what its method trained: they are put on its init
+    weights (`config.finetune.init`, read from where the run read them). The model is
     the run's `GPT2` or `Llama` (`config.model.family`; run directories written
     before that key existed are GPT-2), without remat.
     """
@@ -95,8 +103,12 @@ def load_for_generation(workdir) -> tuple[nnx.Module, data_lib.Tokenizer, dict]:
     cfg = json.loads((workdir / CONFIG_FILE).read_text())
     tokenizer = data_lib.Tokenizer.load(workdir / TOKENIZER_DIR)
     model_json = dict({"family": "gpt2"}, **cfg["model"])
-    model = build_model(model_config(model_json, tokenizer.vocab_size, dtype=cfg["dtype"], remat=False),
-                        seed=0)  # overwritten by the saved parameters
+    mc = model_config(model_json, tokenizer.vocab_size, dtype=cfg["dtype"], remat=False)
+    if "finetune" in cfg:  # model/ holds only the trained parameters: they go on the init weights
+        from jaxdp import finetune_job
+        model = finetune_job.untrained_model(cfg, mc)
+    else:
+        model = build_model(mc, seed=0)  # overwritten by the saved parameters
     if not read_trained(workdir, model):
         raise ConfigError(f"{workdir} has no checkpoint yet")
     return model, tokenizer, cfg
