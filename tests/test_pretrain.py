@@ -466,7 +466,9 @@ def _existing_run_dir(path):
     ({"memory_budget_gb": 1.0, "dp.method": "two_pass"}, "config.memory_budget_gb .*None"),
     ({"memory_budget_gb": 1e-9}, "even micro-batch 1 needs"),
     ({"dp.delta": 0.5}, r"config.dp.delta \(0.5\) must be below 1/N"),  # attacker review 14: accepted
-    ({"dp.noise_multiplier": 0.035}, None),  # review 14: OverflowError traceback
+    ({"dp.noise_multiplier": 0.035}, "spends epsilon [0-9.]+ in the first step"),  # review 14: OverflowError
+    ({"dp.noise_multiplier": 0.3}, r"noise_multiplier = 0.3 spends epsilon [0-9.]+ in the first step, above "
+                                   r"config.dp.target_epsilon = 8"),  # walkthrough: exit 0 after 0 steps
     ({"seq_len": 16, "model.max_seq_len": 16, "data.validation_fraction": 1e-9}, None),
 ])
 def test_bad_config_is_rejected_before_touching_workdir(corpus, tmp_path, overrides, needle):

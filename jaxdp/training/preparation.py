@@ -207,6 +207,13 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
                 "(None sizes it)")
         delta_mechanism = delta - slack
         sigma, pld_interval = _noise_multiplier(config, sampler.sampling_probability, delta_mechanism)
+        if dp.noise_multiplier is not None and dp.target_epsilon is not None:  # else a 0-step run (walkthrough)
+            first = accounting.epsilon(sigma, sampler.sampling_probability, 1, delta_mechanism,
+                                       accountant=config.accountant, value_discretization_interval=pld_interval)
+            _require(first <= dp.target_epsilon,
+                     f"config.dp.noise_multiplier = {sigma:g} spends epsilon {first:.4g} in the first step, above "
+                     f"config.dp.target_epsilon = {dp.target_epsilon:g}: the run could not take one step; raise "
+                     "noise_multiplier, or leave it None to calibrate it to the target")
     m = valid.num_windows
     eval_indices = np.unique(np.linspace(0, m - 1, min(m, config.eval_windows)).astype(np.int64))
     mc = model_config(config.model, tokenizer.vocab_size, dtype=config.dtype, remat=config.remat)
