@@ -14,8 +14,8 @@ real DP step (`jaxdp.audit_runs.white_box_audit`). Either way the step runs
 the config's clipping, clip_fn, secure_noise and accountant, the claim is the
 accountant's epsilon (default 2: a claim of 8 is beyond what 1,000 canaries can
 ever show, the "max attainable" line) and the audit's 95% lower bound must not
-exceed it; one that does is evidence of a bug. A bound below the claim proves
-nothing. The logic lives in `jaxdp.auditing` and `jaxdp.audit_runs`.
+exceed it; one that does is evidence of a bug (exit status 1). A bound below the
+claim proves nothing. The logic lives in `jaxdp.auditing` and `jaxdp.audit_runs`.
 """
 
 import os
@@ -92,7 +92,9 @@ def main(argv):
     from jaxdp.training import receipt
     try:  # before the audit: a bad record_in must not cost a whole run
         if config.audit.record_in is not None:
-            receipt.check_same_mechanism(receipt.audit_target(config.audit.record_in), _mechanism(config))
+            receipt.check_recordable(receipt.audit_target(config.audit.record_in), _mechanism(config),
+                                     bug=config.audit.bug, claim=None if config.dp.noise_multiplier is not None
+                                     else config.dp.target_epsilon)
         start = time.time()
         result, data_desc = kinds[config.audit.kind](config)
     except ValueError as e:
@@ -123,7 +125,7 @@ def main(argv):
             print(f"error: config.audit.record_in: {e}", file=sys.stderr)
             return 2
         print(f"  recorded in      {os.path.join(config.audit.record_in, receipt.PRIVACY_FILE)}", flush=True)
-    return 0
+    return 1 if a.epsilon > result.claimed_epsilon else 0
 
 
 if __name__ == "__main__":

@@ -143,6 +143,14 @@ def test_audit_is_recorded_in_the_receipt(correct, tmp_path):
     _run_receipt(tmp_path)  # the run rewrites its receipt (a resume): the audits and the composition stay
     kept = json.loads((tmp_path / receipt.PRIVACY_FILE).read_text())
     assert len(kept["audits"]) == 3 and "guarantee_with_audits" in kept
+    # What the CLI checks before an audit runs (the walkthrough: a planted bug and a claim above the run's
+    # epsilon were refused only after the audit); a claim calibrated to the run's own target (~1e-7 above its
+    # epsilon) is the run's guarantee and is accepted.
+    receipt.check_recordable(kept, correct.mechanism, claim=2.5 * (1 + 1e-6))
+    with pytest.raises(ValueError, match="planted bug"):
+        receipt.check_recordable(kept, correct.mechanism, bug="no_clipping")
+    with pytest.raises(ValueError, match="above this run's 2.5"):
+        receipt.check_recordable(kept, correct.mechanism, claim=2.51)
     for content, match in (([1, 2], "not a JSON object"), ({"dp": "false"}, "non-DP"),
                            ({"dp": True, "epsilon": None}, "no finite epsilon")):
         (tmp_path / receipt.PRIVACY_FILE).write_text(json.dumps(content))

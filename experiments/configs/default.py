@@ -56,7 +56,7 @@ def get_config() -> config_dict.ConfigDict:
     c.data.id_field = config_dict.placeholder(str)  # jsonl field naming each document's unit ("user_id", "doc_id");
                                          # None: each document is its own unit. Splits train / validation by unit
 
-    c.privacy = config_dict.ConfigDict()  # what one DP record is (README: "Choosing the privacy unit")
+    c.privacy = config_dict.ConfigDict()  # what one DP record is (README: "What is protected")
     c.privacy.unit = "window"            # "window" | "document" | "user" (user needs data.id_field)
     c.privacy.windows_per_unit = 1       # k: windows a sampled document / user gives per step (drawn without
                                          # replacement); its clip bounds their summed gradient. 1 for "window"

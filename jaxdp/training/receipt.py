@@ -34,7 +34,7 @@ def _unit_note(config) -> str:
                 "(about n x epsilon)") + _txt_note(config)
     who = ("all windows of one document" if unit == "document" else "all documents of one user") + (
         f" (documents with equal '{field}' are one unit)" if field else "")
-    return f"{who}; clipping bounds the summed gradient of the up to {k} windows it gives a step" + _txt_note(config)
+    return f"{who}; clipping bounds the summed gradient of the up to {k} window{'s' if k != 1 else ''} it gives a step" + _txt_note(config)
 
 
 def _txt_note(config) -> str:
@@ -281,6 +281,25 @@ def audit_target(workdir) -> dict:
     return receipt
 
 
+# An audit calibrated to the run's target claims ~1e-7 above the run's epsilon (which stops at or below the
+# target); a claim within this relative slack of the run's epsilon tests the same guarantee.
+_CLAIM_SLACK = 1e-3
+
+
+def check_recordable(receipt: dict, mechanism: dict, *, bug: str = "none", claim: float | None = None) -> None:
+    """Raises ValueError naming why an audit may not go into `receipt`: a planted `bug`, a `claim` above the run's
+    epsilon, another mechanism (`check_same_mechanism`). The CLI checks it before the audit runs (claim: the
+    target it calibrates to), `record_audit` again with the audit's claim."""
+    if bug != "none":
+        raise ValueError(f"an audit with a planted bug ({bug!r}) audits the bug, not this code: "
+                         "only an audit with bug='none' goes into a receipt")
+    if claim is not None and claim > receipt["epsilon"] * (1 + _CLAIM_SLACK):
+        raise ValueError(f"the audit claims epsilon {claim:.6g}, above this run's {receipt['epsilon']:.6g}: it tests a "
+                         "weaker guarantee than the run's; audit at a claim <= the run's epsilon "
+                         "(config.dp.target_epsilon)")
+    check_same_mechanism(receipt, mechanism)
+
+
 def check_same_mechanism(receipt: dict, mechanism: dict) -> None:
     """Raises ValueError naming what differs when an audit's `mechanism` (clipping, clip_fn, secure_noise,
     accountant: `jaxdp.audit_runs`) is not the run's `receipt`'s; the CLI checks it before the audit runs."""
@@ -308,22 +327,16 @@ def record_audit(workdir, result, kind: str, *, data: str | None = None) -> dict
     the run's data composes with it (`guarantee_with_audits`)."""
     receipt = audit_target(workdir)
     a, mech = result.audit, result.mechanism
-    claim, run_eps = result.claimed_epsilon, receipt["epsilon"]
-    if result.bug != "none":
-        raise ValueError(f"an audit with a planted bug ({result.bug!r}) audits the bug, not this code: "
-                         "only an audit with bug='none' goes into a receipt")
+    claim = result.claimed_epsilon
     if not (result.noise_multiplier > 0 and math.isfinite(claim)):
         raise ValueError(f"the audit ran with noise_multiplier {result.noise_multiplier:g} (claimed epsilon "
                          f"{claim:g}): an audit without a finite claim checks no guarantee, and a noiseless run "
                          "on private data is not private; only an audit with noise goes into a receipt")
-    if claim > run_eps * (1 + 1e-9):
-        raise ValueError(f"the audit claimed epsilon {claim:.6g}, above this run's {run_eps:.6g}: it tests a weaker "
-                         "guarantee than the run's; audit at a claim <= the run's epsilon")
     if not math.isfinite(a.epsilon) or a.max_epsilon <= claim:
         raise ValueError(f"this audit could not have caught anything: its largest attainable bound "
                          f"{a.max_epsilon:.4g} (every guess right) is <= its claim {claim:.4g}; use more canaries "
                          "or a smaller claimed epsilon (config.dp.target_epsilon)")
-    check_same_mechanism(receipt, mech)
+    check_recordable(receipt, mech, bug=result.bug, claim=claim)
     run_data = ((read_json(pathlib.Path(workdir, "config.json")) or {}).get("data") or {}).get("path")
     on_data = (False if data is None else "unknown" if run_data is None else
                _same_data(data, run_data, pathlib.Path(workdir)))
