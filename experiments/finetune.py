@@ -41,7 +41,9 @@ def _print_summary(s: dict, workdir: str, method: str) -> None:
         f"  train loss       {fmt(s['train_loss'])}",
         f"  val loss         {fmt(s['val_loss'])}  (before fine-tuning {fmt(s['initial_val_loss'])})",
         f"  epsilon          {fmt(s['epsilon'], '.4g')}" + (f"  (delta {s['delta']:.3g})" if s["dp"]
-                                                               else "  (non-DP baseline)"),
+                                                               else "  (non-DP baseline)")
+        + ("  NO GUARANTEE: config.seed is pinned below 2^64 (guessable; privacy.json)"
+           if s.get("seed_guessable") else ""),
     ]
     if acc:
         lines.append(f"  accuracy         {acc['accuracy']:.4f} on {acc['examples']} held-out snippets "

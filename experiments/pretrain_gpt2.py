@@ -42,7 +42,9 @@ def _print_summary(s: dict, workdir: str) -> None:
         f"  val loss         {fmt(s['val_loss'])}  (perplexity {fmt(s['val_perplexity'], '.2f')}; "
         f"untrained {fmt(s['initial_val_loss'])})",
         f"  epsilon          {fmt(s['epsilon'], '.4g')}" + (f"  ({s['accountant']} accountant)" if s["dp"]
-                                                               else "  (non-DP baseline)"),
+                                                               else "  (non-DP baseline)")
+        + ("  NO GUARANTEE: config.seed is pinned below 2^64 (guessable; privacy.json)"
+           if s.get("seed_guessable") else ""),
         f"  delta            {fmt(s['delta'], '.3g')}" + ("" if not s["dp"] else
         f"  (mechanism {s['delta_mechanism']:.3g} + sampling slack {s['sampling_slack']:.2g})"),
         f"  sigma            {fmt(s['noise_multiplier'], '.4g')}",

@@ -167,7 +167,7 @@ def test_privacy_receipt_states_what_ran_and_holds_no_secret(reference_run):
     assert smp["slack_note"].startswith("a draw above max_batch_size is truncated")
     assert set(receipt._OVERFLOW_NOTE) == set(sampling.OVERFLOW_MODES)
     assert any(k.startswith("samples.txt") for k in r["outside_the_guarantee"])  # decoded by a trained bpe
-    assert r["guarantee"].startswith("NONE as run")  # the tiny run pins root 0: guessable
+    assert r["guarantee"].startswith("NONE as run") and summary["seed_guessable"]  # the tiny run pins root 0
     text = (workdir / receipt.PRIVACY_FILE).read_text()
     root = run_dir.Checkpointer(workdir / "checkpoints")
     meta = root.restore_meta(root.latest_step())

@@ -321,6 +321,8 @@ def _summary(config, p: Prepared, model, tracker, rows, last: int, stop_reason, 
         "initial_val_loss": initial_val_loss,
         "dp": dp,
         "epsilon": tracker.epsilon() if tracker is not None else math.inf,
+        # a DP run pinned to a seed below 2^64 has no guarantee (privacy.json's "NONE as run")
+        "seed_guessable": bool(dp and p.seed_pinned and noise_lib.guessable_seed(p.root_seed)),
         "accountant": config.accountant if dp else None,
         "pld_interval": p.pld_interval if dp and config.accountant == "pld" else None,
         "delta": p.delta,  # the guarantee: (epsilon, delta), delta = delta_mechanism + sampling_slack

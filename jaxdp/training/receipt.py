@@ -229,7 +229,8 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
             "slack_note": _OVERFLOW_NOTE[dp.overflow] + "; the probability that any step overflows is paid "
                           "inside delta as (1 + e^epsilon) x steps x overflow_probability",
         },
-        "randomness": (GUESSABLE_SEED_NOTE.rstrip(": ") if guessable else
+        "randomness": ("config.seed pinned below 2^64: guessable, so this run has no guarantee (see guarantee)"
+                       if guessable else
                        "config.seed pinned: the guarantee assumes the seed is secret" if p.seed_pinned else
                        "a 128-bit root seed from the operating system, kept only in checkpoints/"),
         "audits": [],
