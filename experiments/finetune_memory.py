@@ -45,7 +45,8 @@ REV_KEEP = flags.DEFINE_integer("rev_keep_streams_every", 2, "also a reversible 
 TARGET = flags.DEFINE_enum("target", None, ["h100"], "compile for this GPU without one (XLA:GPU deviceless)")
 ACCURACY_RUNS = flags.DEFINE_list("accuracy_runs", [], "finished `experiments.finetune` run directories: their "
                                   "held-out accuracy is printed after the memory table (--methods= for that only)")
-OUT = flags.DEFINE_string("out", "benchmarks/finetune_memory.json", "JSON output path")
+OUT = flags.DEFINE_string("out", "", "JSON output path (none if empty); with --accuracy_runs it holds their "
+                          "held-out accuracy and val loss, private metrics like their summary.json")
 
 def _fmt(x, digits=2):
     return "-" if x is None else f"{x:.{digits}f}"
@@ -110,6 +111,8 @@ def main(argv):
             print(f"| {r['run']} | {r['method']} | {r['epsilon']:.2f} | {_fmt(r['noise_multiplier'], 3)} | "
                   f"{r['steps']} | {r['val_loss']:.4f} | {r['accuracy']:.3f} ({r['examples']}, "
                   f"{r['positive_fraction']:.3f}) |")
+    if not OUT.value:
+        return
     os.makedirs(os.path.dirname(OUT.value) or ".", exist_ok=True)
     with open(OUT.value, "w") as f:
         json.dump({"model": MODEL.value, "batch_size": BATCH_SIZE.value, "seq_len": SEQ_LEN.value,
