@@ -23,11 +23,11 @@ import sys
 import time
 
 import numpy as np
-from absl import app
-from ml_collections import config_flags
+
+from jaxdp.training import cli
 
 _DEFAULT = os.path.join(os.path.dirname(__file__), "configs", "audit.py")
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT, "Audit config file.", lock_config=True)
+_CONFIG = cli.define_config("config", _DEFAULT, "Audit config file.")
 
 
 def _black_box(config):
@@ -129,4 +129,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    cli.run(main)

@@ -47,8 +47,32 @@ def parse_flags(argv: list[str]) -> list[str]:
     except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
         print(flag_error_message(e, argv), file=sys.stderr, flush=True)
         sys.exit(2)
+    except OSError as e:  # a --config file that does not load, when an override reads it
+        line = _config_file_error(e)
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _config_file_error(error: OSError) -> str | None:
+    """The one line for ml_collections' error on a --config file that did not load (raised on first use)."""
+    text = str(error)
+    if "Failed loading config file" not in text:
+        return None
+    return "error: the --config file could not be loaded: " + " ".join(text.strip().splitlines()[-1].split())
 
 
 def run(main: Callable[[list[str]], int | None]) -> None:
-    """`app.run(main, flags_parser=parse_flags)`; main's return value is the exit status."""
-    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
+    """`app.run(main, flags_parser=parse_flags)`; main's return value is the exit status. A --config file
+    that does not load (missing, or raising on import) is one `error: ...` line and status 2 too."""
+    def checked(argv):
+        try:
+            return main(argv)
+        except OSError as e:
+            line = _config_file_error(e)
+            if line is None:
+                raise
+            print(line, file=sys.stderr, flush=True)
+            return 2
+    app.run(lambda argv: sys.exit(checked(argv)), flags_parser=parse_flags)
