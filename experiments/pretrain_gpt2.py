@@ -57,9 +57,15 @@ def _print_summary(s: dict, workdir: str) -> None:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    import jax
+
     from jaxdp import data, training  # after flag parsing: a --help stays fast
     config = _CONFIG.value
     training.maybe_initialize_distributed()  # multi-host: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+    if config.memory_budget_gb is not None and jax.default_backend() == "cpu":  # the walkthrough: silent hours
+        print("note: this config sizes its micro-batch for a GPU (config.memory_budget_gb); on this CPU the search "
+              "compiles the step several times and a GPT-2-small step takes minutes. The CPU configs are "
+              "experiments/configs/default.py and llama_tiny.py", file=sys.stderr, flush=True)
     try:
         prepared = training.prepare(config, progress=data.stderr_progress)
     except training.ConfigError as e:

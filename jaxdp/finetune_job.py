@@ -180,7 +180,8 @@ def prepare(config, *, progress=None) -> Prepared:
                           "are the model's full length, which the soft prompt would overflow)")
     if ft.method == "prompt" and resolved.seq_len + ft.prompt_length > resolved.model.max_seq_len:
         raise ConfigError(f"config.seq_len ({resolved.seq_len}) + config.finetune.prompt_length ({ft.prompt_length}) "
-                          f"exceeds the model's {resolved.model.max_seq_len} positions")
+                          f"exceeds the model's {resolved.model.max_seq_len} positions: set config.seq_len <= "
+                          f"{resolved.model.max_seq_len - ft.prompt_length} or a shorter prompt_length")
     la = ft.loss_after
     if la is not None and not isinstance(la, str):
         raise ConfigError(f"config.finetune.loss_after must be a string ('' or None: the whole text), got {la!r}")

@@ -104,6 +104,7 @@ def test_errors_name_the_argument(kwargs, name):
 def _run_receipt(tmp_path, **mechanism) -> None:
     receipt.write_privacy_receipt(tmp_path, {
         "dp": True, "epsilon": 2.5, "delta": 1e-5, "accountant": "pld", "audits": [],
+        "guarantee": "(2.5, 1e-05)-DP for adding or removing one training window",
         "mechanism": {"clipping": "flat", "clip_fn": "abadi", "secure_noise": False, **mechanism}})
 
 
@@ -140,9 +141,12 @@ def test_audit_is_recorded_in_the_receipt(correct, tmp_path):
     written = receipt.record_audit(tmp_path, dataclasses.replace(correct, seed_pinned=False), "black_box", data=str(data))
     assert written["audits"][-1]["trained_on_run_data"] is True
     assert written["guarantee_with_audits"].startswith(f"({2.5 + correct.claimed_epsilon:.6g}, 2e-05)-DP")
+    assert written["guarantee"].endswith("see guarantee_with_audits")
     _run_receipt(tmp_path)  # the run rewrites its receipt (a resume): the audits and the composition stay
     kept = json.loads((tmp_path / receipt.PRIVACY_FILE).read_text())
     assert len(kept["audits"]) == 3 and "guarantee_with_audits" in kept
+    assert kept["guarantee"].count("see guarantee_with_audits") == 1
+    assert receipt.record_audit(tmp_path, correct, "white_box")["guarantee"].count("guarantee_with_audits") == 1
     # What the CLI checks before an audit runs (the walkthrough: a planted bug and a claim above the run's
     # epsilon were refused only after the audit); a claim calibrated to the run's own target (~1e-7 above its
     # epsilon) is the run's guarantee and is accepted.

@@ -239,6 +239,10 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
     }
 
 
+# The headline's pointer to the composition (the walkthrough: it was easy to miss)
+_WITH_AUDITS_NOTE = "; audits recorded below trained on this run's data: see guarantee_with_audits"
+
+
 def write_privacy_receipt(workdir, receipt: dict) -> dict:
     """Writes `receipt` as `workdir`'s privacy.json, atomically (`write_text_atomic`), and returns what it wrote.
     Audits already recorded in the file (`record_audit`) are kept when `receipt` has none (a resumed run
@@ -249,8 +253,11 @@ def write_privacy_receipt(workdir, receipt: dict) -> dict:
     if receipt.get("dp") is True and old and old.get("audits") and not receipt.get("audits"):
         receipt = {**receipt, "audits": old["audits"]}
     receipt.pop("guarantee_with_audits", None)
+    if isinstance(receipt.get("guarantee"), str):
+        receipt["guarantee"] = receipt["guarantee"].removesuffix(_WITH_AUDITS_NOTE)
     on_data = [a for a in receipt.get("audits") or [] if a.get("trained_on_run_data") is not False]
     if on_data and all(isinstance(receipt.get(k), (int, float)) for k in ("epsilon", "delta")):
+        receipt["guarantee"] = str(receipt.get("guarantee") or "") + _WITH_AUDITS_NOTE
         eps = receipt["epsilon"] + sum(a["claimed_epsilon"] for a in on_data)
         delta = receipt["delta"] + sum(a["delta"] for a in on_data)
         receipt["guarantee_with_audits"] = (
