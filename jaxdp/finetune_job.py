@@ -53,6 +53,7 @@ from jaxdp.training.run_dir import (
     latest_checkpoint_meta,
     read_json,
     read_trained,
+    tree_sha256,
 )
 
 FROM_INIT = "init"  # config.model.family / config.data.tokenizer of the finetune config: taken from init
@@ -234,16 +235,24 @@ def load_finetuned(p: Prepared) -> nnx.Module:
     return model
 
 
-def untrained_model(run_config: dict, model_config) -> nnx.Module:
+def untrained_model(run_config: dict, model_config, workdir) -> nnx.Module:
     """A fine-tuning run's model before its trained parameters are read (`read_trained`): the init weights of
     its config.json (`run_config`) with its method applied; `model_config` the run's (compute settings may
-    differ). ConfigError when the init weights are not where the run read them."""
+    differ). ConfigError when the init weights are not where the run read them, or not the files it read
+    (their `tree_sha256`, kept in config.json since 2026-11-25). `full` trains every parameter: no init."""
     ft = config_dict.ConfigDict(run_config["finetune"])
+    if ft.method == "full":
+        return config_lib.build_model(model_config, 0)
+    why = (f"this is a fine-tuning run: its {MODEL_DIR}/{PARAMS_FILE} holds only the parameters its method "
+           f"({ft.method}) trained, which go on its init weights")
     try:
         kind = _init_kind(ft.init)
     except ConfigError as e:
-        raise ConfigError(f"this is a fine-tuning run: its {MODEL_DIR}/{PARAMS_FILE} holds only the parameters its "
-                          f"method ({ft.method}) trained, which go on its init weights; {e}") from None
+        raise ConfigError(f"{why}; {e}") from None
+    kept = ft.get("init_sha256")
+    if kept is not None and tree_sha256(pathlib.Path(ft.init).expanduser(), exclude=workdir) != kept:
+        raise ConfigError(f"{why}; the files under config.finetune.init ({ft.init}) are not those the run trained "
+                          "from (their SHA-256 differs): restore them")
     model = _pretrained(ft.init, kind, model_config)
     return finetune.prepare(model, ft.method, rngs=nnx.Rngs(0), **method_kwargs(config_dict.ConfigDict(run_config)))
 

@@ -258,7 +258,7 @@ def test_a_fine_tuning_run_is_not_an_init(lora_run, task, tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_generation_reads_a_fine_tuning_run(lora_run, tmp_path):
+def test_generation_reads_a_fine_tuning_run(lora_run, init_run, tmp_path):
     """`experiments.generate` on a fine-tuning run (the fresh-user walkthrough: a KeyError, since model/ holds
     only the trained LoRA parameters): the init weights with the run's parameters on them, logits equal to the
     job's own model; a moved init is one line naming it; a soft prompt leaves fewer positions for tokens."""
@@ -275,6 +275,19 @@ def test_generation_reads_a_fine_tuning_run(lora_run, tmp_path):
     with pytest.raises(training.ConfigError, match="this is a fine-tuning run: .* trained, which go on its init") as e:
         training.load_for_generation(moved)
     assert "\n" not in str(e.value)
+    # The same files elsewhere load; other weights under the init path are refused (attacker review 19: up to
+    # 0.72 of logit silently off), and config.json keeps the init as an absolute path.
+    assert json.loads((p.workdir / run_dir.CONFIG_FILE).read_text())["finetune"]["init"] == str(init_run.resolve())
+    shutil.copytree(init_run, tmp_path / "copy")
+    cfg["finetune"]["init"] = str(tmp_path / "copy")
+    (moved / run_dir.CONFIG_FILE).write_text(json.dumps(cfg))
+    np.testing.assert_array_equal(np.asarray(training.load_for_generation(moved)[0](tokens)), np.asarray(model(tokens)))
+    mc = training.model_config(MODEL, tokenizer.vocab_size, dtype="float32", remat=False)
+    run_dir.write_model(tmp_path / "copy" / run_dir.MODEL_DIR, training.build_model(mc, 7))
+    with pytest.raises(training.ConfigError, match="not those the run trained from"):
+        training.load_for_generation(moved)
+    full = dict(cfg, finetune=dict(cfg["finetune"], method="full", init=str(tmp_path / "gone")))
+    assert isinstance(finetune_job.untrained_model(full, mc, moved), GPT2)  # model/ holds every parameter
     prompted = finetune.add_soft_prompt(nnx.clone(model), length=5, rngs=nnx.Rngs(0))
     assert len(training.generate(prompted, list(range(40)), 3, seed=0)) == 3  # seq_len 32 - 5 positions
     with pytest.raises(ValueError, match="top_k must be"):

@@ -137,6 +137,11 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
              "--config.workdir")
     root_seed, seed_pinned = _root_seed(config, workdir, meta)
     cfg_json["seed"] = PINNED_SEED if seed_pinned else None  # never the seed itself
+    init_key = None
+    if "finetune" in config:  # where and which init weights, so that generation finds these (attacker review 19)
+        init = pathlib.Path(str(config.finetune.init)).expanduser()
+        init_key = tree_sha256(init, exclude=workdir)
+        cfg_json["finetune"].update(init=os.path.realpath(init), init_sha256=init_key)
     saved = workdir / CONFIG_FILE
     if saved.is_file():
         old, new = _run_defining(json.loads(saved.read_text())), _run_defining(cfg_json)
@@ -222,9 +227,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
                  pld_interval=pld_interval,
                  eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
                  delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
-                 max_batch_size_from=max_batch_size_from,
-                 init_key=tree_sha256(pathlib.Path(str(config.finetune.init)).expanduser(), exclude=workdir)
-                 if "finetune" in config else None)
+                 max_batch_size_from=max_batch_size_from, init_key=init_key)
     return p if meta is None else _continued(p, meta)
 
 
@@ -354,19 +357,21 @@ def _root_seed(config, workdir: pathlib.Path, meta: dict | None) -> tuple[int, b
     return noise_lib.secret_seed(), False  # process 0's on every host
 
 
-_PATH_FIELDS = ("data.path", "data.cache_dir")  # compared as resolved paths, not as spelled
+_PATH_FIELDS = ("data.path", "data.cache_dir", "finetune.init")  # compared as resolved paths, not as spelled
 
 
 def _run_defining(cfg_json: dict) -> dict:
     """The flattened config fields that define a run, for comparing a saved run with a resumed one.
 
     Not `workdir` (the run directory is the one being resumed however it is spelled: relative,
-    absolute, trailing slash) nor `seed` (checked against the checkpoint by `_root_seed`); paths
+    absolute, trailing slash), `seed` (checked against the checkpoint by `_root_seed`) nor
+    `finetune.init_sha256` (the checkpoint's `init_weights`, with its own message); paths
     resolved, so `corpus.txt` and `./corpus.txt` are the same corpus.
     """
     flat = _flat(cfg_json)
     flat.pop("workdir", None)
     flat.pop("seed", None)
+    flat.pop("finetune.init_sha256", None)  # the checkpoint's mechanism checks the init weights (init_weights)
     for key in _PATH_FIELDS:
         path = flat.get(key)
         if isinstance(path, str) and path and os.path.exists(os.path.expanduser(path)):
