@@ -54,6 +54,11 @@ def _black_box(config):
         f"{n} windows, {config.model.family} d={config.model.d_model}"
 
 
+def _data(config) -> str | None:
+    """The data the audit trains on: the black box's data.path; None for the white box's synthetic records."""
+    return config.data.path if config.audit.kind == "black_box" else None
+
+
 def _mechanism(config) -> dict:
     """The audited run's clipping, clip function, noise and accountant: the audit runs them, not defaults."""
     dp = config.dp
@@ -93,8 +98,9 @@ def main(argv):
     try:  # before the audit: a bad record_in must not cost a whole run
         if config.audit.record_in is not None:
             receipt.check_recordable(receipt.audit_target(config.audit.record_in), _mechanism(config),
-                                     bug=config.audit.bug, claim=None if config.dp.noise_multiplier is not None
-                                     else config.dp.target_epsilon)
+                                     bug=config.audit.bug, delta=config.dp.delta,
+                                     claim=None if config.dp.noise_multiplier is not None else config.dp.target_epsilon)
+            receipt.audit_on_run_data(config.audit.record_in, _data(config), seed_pinned=config.seed is not None)
         start = time.time()
         result, data_desc = kinds[config.audit.kind](config)
     except ValueError as e:
@@ -118,12 +124,11 @@ def main(argv):
         f"  time             {time.time() - start:.1f} s",
     ]), flush=True)
     if config.audit.record_in is not None:
-        data = config.data.path if config.audit.kind == "black_box" else None
         try:
-            receipt.record_audit(config.audit.record_in, result, config.audit.kind, data=data)
+            receipt.record_audit(config.audit.record_in, result, config.audit.kind, data=_data(config))
         except (ValueError, OSError) as e:
             print(f"error: config.audit.record_in: {e}", file=sys.stderr)
-            return 2
+            return 1 if a.epsilon > result.claimed_epsilon else 2
         print(f"  recorded in      {os.path.join(config.audit.record_in, receipt.PRIVACY_FILE)}", flush=True)
     return 1 if a.epsilon > result.claimed_epsilon else 0
 

@@ -82,6 +82,7 @@ def thresholds(n: int, q: float) -> tuple[int, tuple[int, ...]]:
 
 def draw(n: int, q: float, u: int) -> int:
     """The Binomial(n, q) size for the uniform integer u in [0, 2^128); q >= 1 gives n."""
+    n, q = int(n), float(q)  # Decimal takes neither a NumPy float32 nor int64 (review 19)
     if q >= 1:
         return n
     lo, th = thresholds(n, q)
@@ -90,6 +91,7 @@ def draw(n: int, q: float, u: int) -> int:
 
 def sf(n: int, q: float, k: int) -> float:
     """P(X > k) for X ~ Binomial(n, q), 0 < q <= 1."""
+    n, q = int(n), float(q)
     if k >= n:
         return 0.0
     if k < 0 or q >= 1:
@@ -102,6 +104,7 @@ def sf(n: int, q: float, k: int) -> float:
 
 def smallest_size_above(n: int, q: float, max_tail: float) -> int:
     """The smallest b >= 1 with P(Binomial(n, q) > b) < max_tail (n when q >= 1)."""
+    n, q = int(n), float(q)
     if q >= 1:
         return n
     lo, pmf = table(n, q)

@@ -155,6 +155,14 @@ def test_audit_is_recorded_in_the_receipt(correct, tmp_path):
         receipt.check_recordable(kept, correct.mechanism, bug="no_clipping")
     with pytest.raises(ValueError, match="above this run's 2.5"):
         receipt.check_recordable(kept, correct.mechanism, claim=2.51)
+    with pytest.raises(ValueError, match="delta 0.3 is above this run's"):  # review 19: (eps, 0.3) was recorded
+        receipt.check_recordable(kept, correct.mechanism, delta=0.3)
+    with pytest.raises(ValueError, match="pinned seed"):  # the CLI checks it before a black box runs
+        receipt.audit_on_run_data(tmp_path, str(data), seed_pinned=True)
+    # A run with a guessable seed has no guarantee, composed with audits or not (review 19: it said DP there).
+    void = dict(kept, guarantee=receipt.GUESSABLE_SEED_NOTE + "(2.5, 1e-05)-DP ...")
+    written = receipt.write_privacy_receipt(tmp_path, void)
+    assert written["guarantee_with_audits"].startswith("NONE as run")
     for content, match in (([1, 2], "not a JSON object"), ({"dp": "false"}, "non-DP"),
                            ({"dp": True, "epsilon": None}, "no finite epsilon")):
         (tmp_path / receipt.PRIVACY_FILE).write_text(json.dumps(content))

@@ -684,11 +684,15 @@ def test_cli_bad_input_one_line_and_run_dir_intact(cli_run, extra, needle):
     ("--config.dp.target_epsilom=3", ("config.dp.target_epsilom", 'Did you mean "target_epsilon"')),
     ("--config.steps=abc", ("--config.steps=abc", "invalid literal")),
     ("--config=experiments/configs/nope.py", ("--config file could not be loaded", "nope.py")),  # walkthrough
+    ("--config={tmp}/raises.py", ("--config file could not be loaded: RuntimeError: boom",)),  # review 19
+    ("--config={tmp}/empty.py", ("--config file defines no get_config()",)),
 ])
 def test_cli_bad_flag_exits_2_with_one_line(tmp_path, arg, needles):
     """A mistyped key names the key and keeps ml_collections' hint; a value of the wrong type names the
     flag; both one `error:` line, exit status 2, nothing written."""
-    out = run_cli([arg, f"--config.workdir={tmp_path / 'run'}"])  # a --config=FILE goes before its overrides
+    (tmp_path / "raises.py").write_text("raise RuntimeError('boom')\n")
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    out = run_cli([arg.format(tmp=tmp_path), f"--config.workdir={tmp_path / 'run'}"])  # --config=FILE first
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-2000:]
     assert all(n in lines[0] for n in needles), lines[0]

@@ -291,6 +291,7 @@ def test_drawn_size_is_binomial_to_2_pow_minus_127(n, q):
     assert worst <= Fraction(1, 2**127), float(worst)
     lo, pmf = binomial.table(n, q)
     assert max(abs(Fraction(p) - e) for p, e in zip(pmf, exact)) < Fraction(1, 10**45)
+    assert binomial.draw(np.int64(n), np.float32(q), 2**127) == binomial.draw(n, float(np.float32(q)), 2**127)
     lo, th64 = _float64_thresholds(n, q)
     assert max(abs(p - e) for p, e in zip(_size_law(lo, th64), exact)) > Fraction(1, 10**19)
 

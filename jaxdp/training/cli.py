@@ -41,26 +41,28 @@ def define_config(name: str, default: str, help_string: str):
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing; a bad flag prints one `error: ...` line and exits 2."""
+    """absl's flag parsing; a bad flag, or a --config file that does not load (missing, failing on import, no
+    get_config), prints one `error: ...` line and exits 2."""
     try:
         return flags.FLAGS(argv)
-    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-        print(flag_error_message(e, argv), file=sys.stderr, flush=True)
-        sys.exit(2)
-    except OSError as e:  # a --config file that does not load, when an override reads it
-        line = _config_file_error(e)
-        if line is None:
-            raise
+    except Exception as e:  # noqa: BLE001 -- the config file is user code: anything it raises is a bad flag
+        if isinstance(e, AttributeError) and "get_config" in str(e):
+            line = "error: the --config file defines no get_config()"
+        elif isinstance(e, (flags.Error, AttributeError, KeyError, TypeError, ValueError)):
+            line = flag_error_message(e, argv)
+        else:
+            line = _config_file_error(e)
         print(line, file=sys.stderr, flush=True)
         sys.exit(2)
 
 
-def _config_file_error(error: OSError) -> str | None:
-    """The one line for ml_collections' error on a --config file that did not load (raised on first use)."""
-    text = str(error)
-    if "Failed loading config file" not in text:
-        return None
-    return "error: the --config file could not be loaded: " + " ".join(text.strip().splitlines()[-1].split())
+def _config_file_error(error: BaseException) -> str:
+    """The one line for a --config file that did not load: ml_collections' own error (its last line names the
+    cause), or what the file raised on import."""
+    text = str(error).strip()
+    if "Failed loading config file" in text:
+        return "error: the --config file could not be loaded: " + " ".join(text.splitlines()[-1].split())
+    return f"error: the --config file could not be loaded: {type(error).__name__}: " + " ".join(text.split())
 
 
 def run(main: Callable[[list[str]], int | None]) -> None:
@@ -70,9 +72,8 @@ def run(main: Callable[[list[str]], int | None]) -> None:
         try:
             return main(argv)
         except OSError as e:
-            line = _config_file_error(e)
-            if line is None:
+            if "Failed loading config file" not in str(e):
                 raise
-            print(line, file=sys.stderr, flush=True)
+            print(_config_file_error(e), file=sys.stderr, flush=True)
             return 2
     app.run(lambda argv: sys.exit(checked(argv)), flags_parser=parse_flags)

@@ -260,7 +260,8 @@ def write_privacy_receipt(workdir, receipt: dict) -> dict:
         receipt["guarantee"] = str(receipt.get("guarantee") or "") + _WITH_AUDITS_NOTE
         eps = receipt["epsilon"] + sum(a["claimed_epsilon"] for a in on_data)
         delta = receipt["delta"] + sum(a["delta"] for a in on_data)
-        receipt["guarantee_with_audits"] = (
+        void = str(receipt.get("guarantee") or "").startswith(GUESSABLE_SEED_NOTE)  # review 19: it said DP
+        receipt["guarantee_with_audits"] = (GUESSABLE_SEED_NOTE if void else "") + (
             f"({eps:.6g}, {delta:.3g})-DP for the run's data: {len(on_data)} recorded audit(s) trained on it (or "
             "may have), and their released bounds compose with this run (basic composition: epsilons and deltas add)")
     write_text_atomic(path, json.dumps(receipt, indent=2) + "\n")
@@ -294,10 +295,15 @@ def audit_target(workdir) -> dict:
 _CLAIM_SLACK = 1e-3
 
 
-def check_recordable(receipt: dict, mechanism: dict, *, bug: str = "none", claim: float | None = None) -> None:
+def check_recordable(receipt: dict, mechanism: dict, *, bug: str = "none", claim: float | None = None,
+                     delta: float | None = None) -> None:
     """Raises ValueError naming why an audit may not go into `receipt`: a planted `bug`, a `claim` above the run's
-    epsilon, another mechanism (`check_same_mechanism`). The CLI checks it before the audit runs (claim: the
-    target it calibrates to), `record_audit` again with the audit's claim."""
+    epsilon or a `delta` above its delta (a weaker guarantee either way), another mechanism
+    (`check_same_mechanism`). The CLI checks it before the audit runs (claim: the target it calibrates to),
+    `record_audit` again with the audit's claim."""
+    if delta is not None and not delta <= receipt.get("delta", 0) * (1 + 1e-9):
+        raise ValueError(f"the audit's delta {delta:.3g} is above this run's {receipt.get('delta')!r}: it tests a "
+                         "weaker guarantee than the run's; audit at config.dp.delta <= the run's delta")
     if bug != "none":
         raise ValueError(f"an audit with a planted bug ({bug!r}) audits the bug, not this code: "
                          "only an audit with bug='none' goes into a receipt")
@@ -306,6 +312,20 @@ def check_recordable(receipt: dict, mechanism: dict, *, bug: str = "none", claim
                          "weaker guarantee than the run's; audit at a claim <= the run's epsilon "
                          "(config.dp.target_epsilon)")
     check_same_mechanism(receipt, mechanism)
+
+
+def audit_on_run_data(workdir, data: str | None, *, seed_pinned: bool) -> bool | str:
+    """Whether an audit on `data` (a black box's data.path; None: synthetic) trained on the run's data (its
+    config.json's data.path): True, False or "unknown". ValueError when it did (or may have) with a pinned seed,
+    whose noise is then as public as the seed (checked by the CLI before the audit runs, and when recorded)."""
+    run_data = ((read_json(pathlib.Path(workdir, "config.json")) or {}).get("data") or {}).get("path")
+    on_data = (False if data is None else "unknown" if run_data is None else
+               _same_data(data, run_data, pathlib.Path(workdir)))
+    if on_data is not False and seed_pinned:
+        raise ValueError("the audit trained on this run's data (or it cannot be told apart) with a pinned seed: "
+                         "its noise is as public as that seed, so its released bound is not private; rerun "
+                         "without config.seed")
+    return on_data
 
 
 def check_same_mechanism(receipt: dict, mechanism: dict) -> None:
@@ -344,14 +364,8 @@ def record_audit(workdir, result, kind: str, *, data: str | None = None) -> dict
         raise ValueError(f"this audit could not have caught anything: its largest attainable bound "
                          f"{a.max_epsilon:.4g} (every guess right) is <= its claim {claim:.4g}; use more canaries "
                          "or a smaller claimed epsilon (config.dp.target_epsilon)")
-    check_recordable(receipt, mech, bug=result.bug, claim=claim)
-    run_data = ((read_json(pathlib.Path(workdir, "config.json")) or {}).get("data") or {}).get("path")
-    on_data = (False if data is None else "unknown" if run_data is None else
-               _same_data(data, run_data, pathlib.Path(workdir)))
-    if on_data is not False and result.seed_pinned:
-        raise ValueError("the audit trained on this run's data (or it cannot be told apart) with a pinned seed: "
-                         "its noise is as public as that seed, so its released bound is not private; rerun "
-                         "without config.seed")
+    check_recordable(receipt, mech, bug=result.bug, claim=claim, delta=result.delta)
+    on_data = audit_on_run_data(workdir, data, seed_pinned=result.seed_pinned)
     entry = {"kind": kind, "lower_bound": a.epsilon, "confidence": a.confidence, "max_attainable": a.max_epsilon,
              "exceeds_claim": a.epsilon > claim, "claimed_epsilon": claim,
              "noise_multiplier": result.noise_multiplier, "sampling_probability": result.sampling_probability,
