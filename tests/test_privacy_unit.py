@@ -157,8 +157,48 @@ def test_user_level_job_samples_users_and_accounts_at_their_rate(tmp_path):
     assert summary["epsilon"] == pytest.approx(expected, rel=1e-9)
     r = json.loads((tmp_path / "run" / receipt.PRIVACY_FILE).read_text())
     assert r["unit"] == "user" and "one training user" in r["guarantee"] and "'user_id'" in r["unit_note"]
-    assert "min(2, its windows)" in r["sampling"]["method"] and "num_units" not in json.dumps(r)  # N: not published
+    assert "min(2, its windows)" in r["sampling"]["method"] and '"num_units"' not in json.dumps(r)  # N: unpublished
     assert np.isfinite(summary["train_loss"])
+
+
+def test_a_public_bound_on_n_makes_the_receipt_the_same_for_neighbours(tmp_path):
+    """Attacker review 18 (F2): q, sigma, max_batch_size and the default delta followed N, so privacy.json of
+    neighbours (N and N - 1 users) differed. With config.privacy.num_units_bound B they come from B: the
+    receipts are equal; the sample draws over B and keeps only real units, each with probability q; a bound
+    at or below N is refused."""
+    from test_pretrain import tiny_config
+    from jaxdp import training
+    from jaxdp.training import receipt
+    corpus, ids = user_corpus(tmp_path)
+    rows = [json.loads(line) for line in corpus.read_text().splitlines()]
+    neighbour = tmp_path / "neighbour.jsonl"  # one training user fewer (user0's documents removed)
+    neighbour.write_text("".join(json.dumps(r) + "\n" for r in rows if r["user_id"] != "user0"))
+
+    def receipt_of(path, name, **kw):
+        config = tiny_config(path, tmp_path / name, steps=3, batch_size=3, privacy__unit="user",
+                             data__id_field="user_id", data__validation_fraction=1e-9, **kw)
+        p = training.prepare(config)
+        r = receipt.privacy_receipt(config, p, steps=3, epsilon=1.0, overflowed_steps=0)
+        return p, {k: v for k, v in r.items() if k not in ("unit_note",)}
+
+    (a, ra), (b, rb) = receipt_of(corpus, "a"), receipt_of(neighbour, "b")
+    assert a.num_units == b.num_units + 1 and ra != rb and "given the number N" in ra["guarantee"]
+    (a, ra), (b, rb) = (receipt_of(c, n, privacy__num_units_bound=50) for c, n in ((corpus, "c"), (neighbour, "d")))
+    assert ra == rb and "fewer than 50" in ra["guarantee"] and "given the number N" not in ra["guarantee"]
+    assert a.sampler.sampling_probability == 3 / 50 and a.noise_multiplier == b.noise_multiplier
+    hits, steps = np.zeros(a.num_units), 3000
+    for step in range(steps):
+        indices, mask = a.sample(step)
+        assert (indices[mask] < a.num_units).all() and (indices[~mask] == 0).all()
+        np.add.at(hits, indices[mask], 1)
+    q = 3 / 50
+    assert np.abs(hits / steps - q).max() < 6 * np.sqrt(q * (1 - q) / steps)
+    with pytest.raises(training.ConfigError, match="num_units_bound .* must exceed the N = "):
+        receipt_of(corpus, "e", privacy__num_units_bound=a.num_units)
+    summary = training.train(a.config, prepared=a, verbose=False)  # the job runs on it, and says so
+    assert summary["num_units_bound"] == 50 and summary["num_train_units"] == a.num_units
+    written = json.loads((tmp_path / "c" / receipt.PRIVACY_FILE).read_text())
+    assert written["sampling"]["num_units_bound"] == 50 and "fewer than 50" in written["guarantee"]
 
 
 @pytest.mark.parametrize("overrides, needle", [

@@ -60,6 +60,8 @@ def get_config() -> config_dict.ConfigDict:
     c.privacy.unit = "window"            # "window" | "document" | "user" (user needs data.id_field)
     c.privacy.windows_per_unit = 1       # k: windows a sampled document / user gives per step (drawn without
                                          # replacement); its clip bounds their summed gradient. 1 for "window"
+    c.privacy.num_units_bound = config_dict.placeholder(int)  # a public bound B > N: q = batch_size / B, sigma,
+                                         # the max batch and delta from B, so the run does not reveal N (None: from N)
 
     c.sample = config_dict.ConfigDict()  # samples.txt: continuations of PUBLIC prompts (never private text)
     c.sample.num = 3                     # samples written (0: no samples.txt)

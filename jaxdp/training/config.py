@@ -183,6 +183,8 @@ def validate_config(config) -> None:
     unit, k_unit = config.privacy.unit, config.privacy.windows_per_unit
     _require(unit in PRIVACY_UNITS, f"config.privacy.unit must be one of {PRIVACY_UNITS}, got {unit!r}")
     _positive_int(config, "privacy.windows_per_unit")
+    if config.privacy.get("num_units_bound") is not None:
+        _positive_int(config, "privacy.num_units_bound")
     _require(unit != "window" or k_unit == 1,
              f"config.privacy.windows_per_unit must be 1 with config.privacy.unit='window', got {k_unit!r}")
     _require(unit != "user" or config.data.id_field is not None,

@@ -242,7 +242,7 @@ def _logical_step(config, p: Prepared, step: int, step_fn, model, optimizer, tra
     """
     dp, k = config.dp.enabled, p.accumulation_steps
     k_unit = config.privacy.windows_per_unit  # windows per sampled unit (1: the unit is a window)
-    indices, mask = p.sampler.sample(step)
+    indices, mask = p.sample(step)
     if config.privacy.unit != "window":  # units -> k_unit window slots each, a unit per block
         stream = sampling.KeyStream(p.derive_seed(noise_lib.UNIT_WINDOWS, step))
         indices, mask = p.train.units_to_windows(indices, mask, k_unit, stream)
@@ -339,7 +339,8 @@ def _summary(config, p: Prepared, model, tracker, rows, last: int, stop_reason, 
         "max_batch_size_from": p.max_batch_size_from,
         "num_train_windows": p.train.num_windows,
         "privacy_unit": config.privacy.unit,
-        "num_train_units": sampler.num_examples,  # N of the accountant: windows, documents or users
+        "num_train_units": p.num_units,  # N: windows, documents or users
+        "num_units_bound": config.privacy.num_units_bound,  # None: q, sigma, max batch and delta follow from N
         "windows_per_unit": config.privacy.windows_per_unit,
         "model": config.model.family,
         "num_params": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),

@@ -90,7 +90,7 @@ class Prepared:
     train: data_lib.TokenWindows
     valid: data_lib.TokenWindows
     model_config: GPT2Config | LlamaConfig
-    sampler: PoissonSampler
+    sampler: PoissonSampler            # over N units, or over config.privacy.num_units_bound (`sample`)
     accumulation_steps: int            # micro-batches per logical batch (config's, or planned for memory_budget_gb)
     noise_multiplier: float
     eval_indices: np.ndarray
@@ -112,6 +112,17 @@ class Prepared:
     # Fine-tuning: SHA-256 of the files of config.finetune.init (`tree_sha256`), so that a resume on other
     # init weights under the same path is refused (attacker review 14); None when pretraining.
     init_key: str | None = None
+    num_units: int = 0                 # N: the training units (windows, documents or users)
+
+    def sample(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The Poisson sample of `step` (indices, mask), with `config.privacy.num_units_bound` B: drawn over B
+        units, of which those >= N do not exist (masked, index 0), so each of the N units is in it with the
+        public q = batch_size / B and nothing the run releases (q, sigma, max batch, delta) depends on N."""
+        indices, mask = self.sampler.sample(step)
+        if self.sampler.num_examples > self.num_units:
+            mask = mask & (indices < self.num_units)
+            indices = np.where(mask, indices, 0)
+        return indices, mask
 
     def derive_seed(self, domain: str, *path: str | int) -> int:
         """The seed of one use of randomness (`jaxdp.noise.derive_seed` of the root)."""
@@ -167,28 +178,37 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
         raise ConfigError(f"config.data: {e}") from None
     unit = config.privacy.unit
     n = train.num_windows if unit == "window" else train.num_units  # N: the privacy units sampled
-    _require(config.batch_size <= n,
-             f"config.batch_size ({config.batch_size}) exceeds the {n} training {unit}s of the corpus")
+    bound = config.privacy.num_units_bound
+    _require(bound is None or n < bound,
+             f"config.privacy.num_units_bound ({bound}) must exceed the N = {n} training {unit}s (a neighbour "
+             "data set has N + 1)")
+    population = n if bound is None else bound  # what q, delta and the max batch are computed from
+    _require(config.batch_size <= population,
+             f"config.batch_size ({config.batch_size}) exceeds the {population} training {unit}s" +
+             (" of the corpus" if bound is None else " of config.privacy.num_units_bound"))
     dp = config.dp
     max_batch_size = config.max_batch_size
     max_batch_size_from = "config.max_batch_size"
     delta = delta_from = None
     if dp.enabled:
         delta, delta_from = ((dp.delta, "config.dp.delta") if dp.delta is not None else
-                             (accounting.default_delta(n), "default: min(10^-(number of digits of N + 1), 1e-5)"))
-        _require(delta < 1 / n, f"config.dp.delta ({delta:g}) must be below 1/N = {1 / n:.3g} (N = {n} training "
-                                f"{unit}s): a mechanism that publishes one random {unit} in the clear meets a delta "
-                                "of 1/N; leave it unset for min(10^-(digits of N + 1), 1e-5)")
+                             (accounting.default_delta(population),
+                              "default: min(10^-(number of digits of N + 1), 1e-5)" if bound is None else
+                              "default: min(10^-(number of digits of num_units_bound + 1), 1e-5)"))
+        _require(delta < 1 / population,
+                 f"config.dp.delta ({delta:g}) must be below 1/N = {1 / population:.3g} (N = {population} training "
+                 f"{unit}s{'' if bound is None else ', num_units_bound'}): a mechanism that publishes one random "
+                 f"{unit} in the clear meets a delta of 1/N; leave it unset for min(10^-(digits of N + 1), 1e-5)")
         # The accountant runs at delta - slack: the slack may take at most delta / 10.
         smallest = _round_batch(config, max_batch_size_for_delta(
-            n, config.batch_size, config.steps, dp.target_epsilon, delta))
+            population, config.batch_size, config.steps, dp.target_epsilon, delta))
         if max_batch_size is None:
             max_batch_size = smallest
             max_batch_size_from = f"sized: sampling slack <= {_SLACK_BOUND}"
     elif max_batch_size is None:
         max_batch_size_from = f"overflow probability < {DEFAULT_MAX_OVERFLOW_PROBABILITY:g} per step"
     try:
-        sampler = PoissonSampler(n, config.batch_size, max_batch_size=max_batch_size,
+        sampler = PoissonSampler(population, config.batch_size, max_batch_size=max_batch_size,
                                  seed=noise_lib.derive_seed(root_seed, noise_lib.SAMPLER), overflow=dp.overflow)
     except ValueError as e:
         raise ConfigError(f"sampler: {e}") from None
@@ -227,7 +247,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
                  pld_interval=pld_interval,
                  eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
                  delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
-                 max_batch_size_from=max_batch_size_from, init_key=init_key)
+                 max_batch_size_from=max_batch_size_from, init_key=init_key, num_units=n)
     return p if meta is None else _continued(p, meta)
 
 
@@ -238,7 +258,7 @@ _DERIVED = ("noise_multiplier", "delta_mechanism", "sampling_slack", "pld_interv
 def mechanism(p: Prepared) -> dict:
     """What the run's guarantee rests on, as JSON: kept in every checkpoint's meta and checked on resume."""
     return {**{f"config.{k}": v for k, v in _run_defining(p.config_json).items()},
-            "train_data": p.train.data_key, "num_units": p.sampler.num_examples,
+            "train_data": p.train.data_key, "num_units": p.num_units,
             "sampling_probability": p.sampler.sampling_probability, "max_batch_size": p.sampler.max_batch_size,
             "delta": p.delta, **{k: getattr(p, k) for k in _DERIVED},
             **({} if p.init_key is None else {"init_weights": p.init_key})}

@@ -153,11 +153,12 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
     sampler, unit, k = p.sampler, config.privacy.unit, config.privacy.windows_per_unit
     init = _init_weights(config)
     public_tokenizer = config.data.tokenizer == "gpt2"
-    size = f"the number N of training {unit}s"
+    bound = config.privacy.get("num_units_bound")
+    size = [f"the number N of training {unit}s"] if bound is None else []  # with a bound nothing follows N
     if init is None:
-        given, outside = [size] + ([] if public_tokenizer else ["the tokenizer"]), OUTSIDE_THE_GUARANTEE
+        given, outside = size + ([] if public_tokenizer else ["the tokenizer"]), dict(OUTSIDE_THE_GUARANTEE)
     else:  # a fine-tuning run's tokenizer is its init's (jaxdp.finetune_job): as private or public as they are
-        given = [size, "the init weights" + ("" if public_tokenizer else " and their tokenizer")]
+        given = size + ["the init weights" + ("" if public_tokenizer else " and their tokenizer")]
         outside = {k: v for k, v in OUTSIDE_THE_GUARANTEE.items() if not k.startswith(("tokenizer/", "samples.txt"))}
         outside["the init weights (config.finetune.init)"] = f"see init_weights: {init['note']}"
         if not public_tokenizer and init["trained_on_this_data"] is True:
@@ -171,13 +172,17 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
             outside["tokenizer/ (the init's)"] = ("the init checkpoint's own tokenizer, not learned from this run's "
                                                   "data: share it, and samples.txt decoded through it, as the init "
                                                   "weights' source allows")
+    if bound is not None:
+        outside["privacy.json, epsilon.png (sampling_probability)"] = (
+            "q = batch_size / num_units_bound: the public bound, not N (N is in summary.json and the metrics)")
     guessable = p.seed_pinned and noise_lib.guessable_seed(p.root_seed)
     return {
         "dp": True,
         "guarantee": (GUESSABLE_SEED_NOTE if guessable else "") + (
             f"({epsilon:.6g}, {p.delta:.3g})-DP for adding or removing one training {unit}") + (
+            "" if bound is None else f" of a data set of fewer than {bound} (config.privacy.num_units_bound)") + (
             f", given {', '.join(given[:-1]) + ' and ' if len(given) > 1 else ''}{given[-1]} "
-            "(see outside_the_guarantee)"),
+            "(see outside_the_guarantee)" if given else ""),
         "unit": unit,
         "unit_note": _unit_note(config),
         "adjacency": f"add or remove one {unit}" + (" (all its windows)" if unit != "window" else ""),
@@ -220,6 +225,12 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
             "random_bits": "ChaCha20 (a cryptographically secure generator) keyed by a SHA-256 of the secret "
                            "root seed, step and attempt (jaxdp.sampling)",
             "sampling_probability": sampler.sampling_probability,
+            "num_units_bound": bound,
+            "population": ("q = batch_size / N: q, sigma, max_batch_size and the default delta follow from N, "
+                           "which the run therefore does not hide" if bound is None else
+                           f"q = batch_size / num_units_bound ({bound}): drawn over {bound} units of which those "
+                           "beyond the data set's do not exist; q, sigma, max_batch_size and delta do not depend "
+                           "on N"),
             "expected_batch_size": config.batch_size,
             "max_batch_size": sampler.max_batch_size,
             "max_batch_size_from": p.max_batch_size_from,
