@@ -15,11 +15,12 @@ size, which is the same distribution as N independent coin flips (Beltran et
 al. 2024, arXiv:2406.17298, Lemma 1) at O(batch) cost instead of O(N): the size
 by comparing a 128-bit uniform integer with the binomial CDF's exact thresholds
 (`jaxdp.binomial`: total-variation distance from Binomial(N, q) below 1e-30,
-where a float64 inverse CDF is ~1e-13 off), the subset by Floyd's algorithm with exact uniform
-integers (Lemire's multiply-and-reject). The draw for step s (attempt a, see
-"resample") uses only the ChaCha20 keystream (`jaxdp.chacha`, a cryptographically
-secure generator) keyed by `jaxdp.noise.derive_seed(seed, "poisson", s, a)`, so a
-resumed run reproduces an uninterrupted one exactly with no RNG state to save;
+where a float64 inverse CDF is ~1e-13 off), the subset by Floyd's algorithm
+with exact uniform integers (Lemire's multiply-and-reject). The draw for step s
+(attempt a, see "resample") uses only the ChaCha20 keystream (`jaxdp.chacha`, a
+cryptographically secure generator) keyed by `jaxdp.noise.derive_seed(seed,
+"poisson", s, a)`, so a resumed run reproduces an uninterrupted one exactly with
+no RNG state to save;
 only the seed and the step counter must be restored. `derive_seed` hashes the
 whole path (SHA-256), so no step's stream is the stream of the bare seed or of
 another step.
@@ -142,8 +143,8 @@ class KeyStream:
     def binomial(self, n: int, q: float) -> int:
         """A Binomial(n, q) draw: a 128-bit uniform integer against the exact CDF thresholds of
         `jaxdp.binomial` (total-variation error < 1e-30)."""
-        hi, lo = (int(w) for w in self.words64(2))
-        return binomial.draw(n, q, (hi << 64) | lo)
+        high, low = (int(w) for w in self.words64(2))
+        return binomial.draw(n, q, (high << 64) | low)
 
 
 # ---------------------------------------------------------------- delta slack

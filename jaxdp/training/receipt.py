@@ -34,7 +34,8 @@ def _unit_note(config) -> str:
                 "(about n x epsilon)") + _txt_note(config)
     who = ("all windows of one document" if unit == "document" else "all documents of one user") + (
         f" (documents with equal '{field}' are one unit)" if field else "")
-    return f"{who}; clipping bounds the summed gradient of the up to {k} window{'s' if k != 1 else ''} it gives a step" + _txt_note(config)
+    windows = f"{k} window{'s' if k != 1 else ''}"
+    return f"{who}; clipping bounds the summed gradient of the up to {windows} it gives a step" + _txt_note(config)
 
 
 def _txt_note(config) -> str:
@@ -73,9 +74,10 @@ OUTSIDE_THE_GUARANTEE = {
     "privacy.json, epsilon.png (sampling_probability)": "q = batch_size / N, with config.json's batch_size, "
                                                         "gives N: the number of units (users) in the data. "
                                                         "q, sigma, max_batch_size and the default delta are "
-                                                        "computed from N, so the guarantee is stated given N "
-                                                        "(attacker review 18): between neighbours with N and "
-                                                        "N + 1 units these values differ and tell them apart",
+                                                        "computed from N, so the guarantee is stated given N: "
+                                                        "between neighbours with N and N + 1 units these "
+                                                        "values differ and tell them apart (unless "
+                                                        "config.privacy.num_units_bound is set)",
     "the token cache (config.data.cache_dir)": "the private text's tokens",
     "hyperparameters": "chosen by looking at private metrics, they are outside the guarantee",
 }
