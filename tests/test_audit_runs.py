@@ -218,3 +218,26 @@ def test_the_audit_runs_the_audited_mechanism(monkeypatch):
     assert result.claimed_epsilon == pytest.approx(accounting.epsilon(1.0, 0.5, 2, 1e-5, accountant="rdp"))
     with pytest.raises(ValueError, match="accountant"):
         audit_runs.white_box_audit(num_canaries=64, accountant="moments")
+
+
+def test_audit_noise_key_is_the_roots_256_bit_noise_key(monkeypatch):
+    """Attacker review 18: both audits drew their noise key from 31 PCG64 bits; it is the root's `audit_noise`
+    domain, an rbg key as the job's (a mutation back to `jax.random.key(rng.integers(2**31))` fails here)."""
+    import jax
+    from jaxdp import noise
+    seen, real = [], audit_runs._privatizer
+
+    def spy(bug, l2_norm_clip, sigma, batch_size, key, mechanism):
+        seen.append(key)
+        return real(bug, l2_norm_clip, sigma, batch_size, key, mechanism)
+
+    monkeypatch.setattr(audit_runs, "_privatizer", spy)
+    windows = np.random.default_rng(0).integers(0, 97, size=(48, 17))
+    audit_runs.black_box_audit(_Bigram(0), windows, 97, num_canaries=16, steps=1, batch_size=16,
+                               noise_multiplier=1.0, seed=0)
+    audit_runs.white_box_audit(num_canaries=64, steps=1, sampling_probability=0.5, noise_multiplier=1.0, seed=0)
+    want = noise.noise_key_from_seed(noise.derive_seed(0, "audit_noise"))
+    assert len(seen) == 2
+    for key in seen:
+        assert jax.random.key_impl(key) == jax.random.key_impl(want)
+        np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(want))

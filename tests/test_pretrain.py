@@ -261,7 +261,7 @@ def test_fresh_runs_draw_secret_roots(reference_run, corpus, tmp_path):
     # A guessable pinned seed (< 2^64; review 18 found seed 3 by replaying 8 seeds) voids the guarantee in
     # the receipt; a fresh root or a pinned 128-bit secret does not.
     from jaxdp.training import receipt
-    for seed, voided in ((None, False), (2**127 + 12345, False), (2**64 - 1, True), (3, True)):
+    for seed, voided in ((None, False), (2**127 + 12345, False), (2**64, False), (2**64 - 1, True), (3, True)):
         cfg = tiny_config(corpus, tmp_path / f"s{seed}", seed=seed, **{"dp.noise_multiplier": 1.0})
         r = receipt.privacy_receipt(cfg, training.prepare(cfg), steps=1, epsilon=1.0, overflowed_steps=0)
         assert r["guarantee"].startswith("NONE as run: config.seed was pinned below 2^64") == voided, seed
