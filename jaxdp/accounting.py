@@ -81,11 +81,17 @@ def _check_noise_multiplier(noise_multiplier: float) -> float:
     return float(noise_multiplier)
 
 
+MIN_SAMPLING_PROBABILITY = 1e-12  # below it dp_accounting's terms in 1 + q lose q (attacker review 20)
+
+
 def _check_sampling_probability(sampling_probability: float) -> float:
     if not 0 < sampling_probability <= 1:
         raise ValueError(
             "sampling_probability must be in the half-open interval (0, 1], "
             f"got {sampling_probability!r}")
+    if sampling_probability < MIN_SAMPLING_PROBABILITY:  # at 3e-17 both accountants answered epsilon = 0
+        raise ValueError(f"sampling_probability {sampling_probability!r} is below {MIN_SAMPLING_PROBABILITY:g}, "
+                         "where the accountants' float64 arithmetic loses it (1 + q == 1 gives epsilon 0)")
     return float(sampling_probability)
 
 

@@ -122,7 +122,10 @@ class KeyStream:
         return out
 
     def below(self, bound: int, word: int | None = None) -> int:
-        """Exactly uniform on [0, bound) (Lemire's multiply-and-reject; `word`: the first 64-bit word to use)."""
+        """Exactly uniform on [0, bound) (Lemire's multiply-and-reject; `word`: the first 64-bit word to use);
+        1 <= bound <= 2^64 (above, no 64-bit word could be accepted)."""
+        if not 1 <= bound <= 2**64:
+            raise ValueError(f"bound must be in [1, 2^64], got {bound!r}")
         threshold = (2**64 - bound) % bound
         while True:
             m = (int(self.words64(1)[0]) if word is None else word) * bound

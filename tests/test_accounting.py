@@ -253,6 +253,7 @@ def _tracker(**overrides):
     (_epsilon, {"sampling_probability": 0.0}, r"sampling_probability .*\(0, 1\]"),
     (_epsilon, {"sampling_probability": 1.5}, r"sampling_probability .*\(0, 1\]"),
     (_epsilon, {"steps": -1}, r"steps .*>= 0"),
+    (_epsilon, {"sampling_probability": 3e-17}, r"sampling_probability .* below 1e-12"),  # review 20: eps 0
     (_epsilon, {"accountant": "moments"}, r"accountant .*\('pld', 'rdp'\)"),
     (_epsilon, {"value_discretization_interval": 0.0}, r"value_discretization_interval"),
     (_calibrate, {"target_epsilon": 0.0}, r"target_epsilon .*> 0"),

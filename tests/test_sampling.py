@@ -112,6 +112,9 @@ def test_keystream_draws_are_uniform():
     """Exact uniform integers (a bound that is not a power of two, where a modulo would be biased), a
     binomial with the exact mean and variance, and subsets holding every element equally often."""
     rng = sampling.KeyStream(secrets.randbits(256))
+    with pytest.raises(ValueError, match="bound must be in"):  # review 20: 2^64 + 1 looped forever
+        rng.below(2**64 + 1)
+    assert 0 <= rng.below(2**64) < 2**64
     draws = np.array([rng.below(6) for _ in range(12_000)])
     counts = np.bincount(draws, minlength=6)
     assert draws.max() < 6 and ((counts - 2000) ** 2 / 2000).sum() < 30   # chi-square, 5 dof: p ~ 1e-5

@@ -179,9 +179,11 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     unit = config.privacy.unit
     n = train.num_windows if unit == "window" else train.num_units  # N: the privacy units sampled
     bound = config.privacy.num_units_bound
-    _require(bound is None or n < bound,
-             f"config.privacy.num_units_bound ({bound}) must exceed the N = {n} training {unit}s (a neighbour "
-             "data set has N + 1)")
+    _require(bound is None or n <= bound,
+             f"config.privacy.num_units_bound ({bound}) must be at least the N = {n} training {unit}s")
+    _require(bound is None or (bound < 2**62 and config.batch_size / bound >= accounting.MIN_SAMPLING_PROBABILITY),
+             f"config.privacy.num_units_bound ({bound}) is too large: q = batch_size / bound must be >= "
+             f"{accounting.MIN_SAMPLING_PROBABILITY:g} (the accountants' float64 precision) and the bound < 2^62")
     population = n if bound is None else bound  # what q, delta and the max batch are computed from
     _require(config.batch_size <= population,
              f"config.batch_size ({config.batch_size}) exceeds the {population} training {unit}s" +

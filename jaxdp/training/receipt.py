@@ -10,7 +10,8 @@ one ran (`record_audit`, from `python -m experiments.audit` with
 `config.audit.record_in`), and which outputs of the run lie outside the guarantee.
 
 It holds no secret (no seed, key or loss) and may be shared; like
-`epsilon.png` it gives the sampling rate q = batch_size / N, a hint of N.
+`epsilon.png` it gives the sampling rate q = batch_size / N, hence N, unless
+`config.privacy.num_units_bound` B is set (q = batch_size / B).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         "dp": True,
         "guarantee": (GUESSABLE_SEED_NOTE if guessable else "") + (
             f"({epsilon:.6g}, {p.delta:.3g})-DP for adding or removing one training {unit}") + (
-            "" if bound is None else f" of a data set of fewer than {bound} (config.privacy.num_units_bound)") + (
+            "" if bound is None else f", both data sets of at most {bound} (config.privacy.num_units_bound)") + (
             f", given {', '.join(given[:-1]) + ' and ' if len(given) > 1 else ''}{given[-1]} "
             "(see outside_the_guarantee)" if given else ""),
         "unit": unit,
@@ -232,7 +233,8 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
                            "which the run therefore does not hide" if bound is None else
                            f"q = batch_size / num_units_bound ({bound}): drawn over {bound} units of which those "
                            "beyond the data set's do not exist; q, sigma, max_batch_size and delta do not depend "
-                           "on N"),
+                           "on N. expected_batch_size is the draw's over the bound; the real units' share, q N, "
+                           "is not released (and the signal is N / bound of the expected batch's)"),
             "expected_batch_size": config.batch_size,
             "max_batch_size": sampler.max_batch_size,
             "max_batch_size_from": p.max_batch_size_from,
