@@ -84,7 +84,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
       verbose: progress bar and messages on stderr.
     """
     p = prepared or prepare(config, progress=data_lib.stderr_progress if verbose else None)
-    if p.seed_pinned and config.dp.enabled and noise_lib.guessable_seed(p.root_seed):
+    if config.dp.enabled and p.seed_guessable:
         log("WARNING: config.seed is pinned below 2^64: an attacker can search for it and replay the noise and "
             "the batches, so this run has NO privacy guarantee (privacy.json says so). For a private run leave "
             "config.seed unset, or pin a secret 128-bit value: python -c 'import secrets; "
@@ -322,7 +322,7 @@ def _summary(config, p: Prepared, model, tracker, rows, last: int, stop_reason, 
         "dp": dp,
         "epsilon": tracker.epsilon() if tracker is not None else math.inf,
         # a DP run pinned to a seed below 2^64 has no guarantee (privacy.json's "NONE as run")
-        "seed_guessable": bool(dp and p.seed_pinned and noise_lib.guessable_seed(p.root_seed)),
+        "seed_guessable": bool(dp and p.seed_guessable),
         "accountant": config.accountant if dp else None,
         "pld_interval": p.pld_interval if dp and config.accountant == "pld" else None,
         "delta": p.delta,  # the guarantee: (epsilon, delta), delta = delta_mechanism + sampling_slack

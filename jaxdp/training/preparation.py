@@ -124,6 +124,11 @@ class Prepared:
             indices = np.where(mask, indices, 0)
         return indices, mask
 
+    @property
+    def seed_guessable(self) -> bool:
+        """A pinned root seed below 2^64 (`jaxdp.noise.guessable_seed`): searchable, so a DP run has no guarantee."""
+        return self.seed_pinned and noise_lib.guessable_seed(self.root_seed)
+
     def derive_seed(self, domain: str, *path: str | int) -> int:
         """The seed of one use of randomness (`jaxdp.noise.derive_seed` of the root)."""
         return noise_lib.derive_seed(self.root_seed, domain, *path)

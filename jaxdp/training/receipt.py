@@ -178,7 +178,7 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
     if bound is not None:
         outside["privacy.json, epsilon.png (sampling_probability)"] = (
             "q = batch_size / num_units_bound: the public bound, not N (N is in summary.json and the metrics)")
-    guessable = p.seed_pinned and noise_lib.guessable_seed(p.root_seed)
+    guessable = p.seed_guessable
     return {
         "dp": True,
         "guarantee": (GUESSABLE_SEED_NOTE if guessable else "") + (
