@@ -31,6 +31,7 @@ from decimal import Decimal
 
 UNIFORM_BITS = 128  # a draw compares one uniform integer of this many bits with the thresholds
 _DIGITS = 60
+_CONTEXT = decimal.Context(prec=_DIGITS, Emin=-10**9, Emax=10**9)  # the table's arithmetic
 # Bernstein's inequality, P(|X - nq| >= t) <= 2 exp(-t^2 / (2 (var + t / 3))), bounds the mass outside
 # mean +- t; t is chosen so that it is below 1e-300 on each side.
 _LOG_OUTSIDE_MASS = math.log(1e300)
@@ -53,7 +54,7 @@ def table(n: int, q: float) -> tuple[int, tuple[Decimal, ...]]:
     """(lo, (P(X = lo), ..., P(X = hi))) for X ~ Binomial(n, q), 0 < q < 1 (module docstring)."""
     _check(n, q)
     lo, hi = window(n, q)
-    with decimal.localcontext(decimal.Context(prec=_DIGITS, Emin=-10**9, Emax=10**9)):
+    with decimal.localcontext(_CONTEXT):
         dq = Decimal(q)  # exact: a binary float is a finite decimal
         r = dq / (1 - dq)
         mode = min(hi, max(lo, math.floor((n + 1) * q)))
@@ -72,7 +73,7 @@ def thresholds(n: int, q: float) -> tuple[int, tuple[int, ...]]:
     """(lo, (floor(CDF(lo) x 2^128), ..., 2^128)): the integers `draw` compares a uniform with."""
     lo, pmf = table(n, q)
     scale, out, cdf = 2**UNIFORM_BITS, [], Decimal(0)
-    with decimal.localcontext(decimal.Context(prec=_DIGITS, Emin=-10**9, Emax=10**9)):
+    with decimal.localcontext(_CONTEXT):
         for p in pmf:
             cdf += p
             out.append(min(scale, int(cdf * scale)))
