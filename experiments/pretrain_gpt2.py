@@ -13,8 +13,9 @@
 Several devices (`mesh.data * mesh.seq > 1`) or `dp.method=two_pass` run
 `jaxdp.sharding.ShardedDPStep` (DP only, accumulation_steps=1). Several hosts: run the same command on each
 with JAX_COORDINATOR_ADDRESS=<host 0>:<port>, JAX_NUM_PROCESSES=<hosts> and
-JAX_PROCESS_ID=<0..hosts-1> set; `jax.distributed.initialize()` is then called
-before anything else touches the devices.
+JAX_PROCESS_ID=<0..hosts-1> set, `mesh.data * mesh.seq` the devices of all hosts and the workdir on a
+shared filesystem; `jax.distributed.initialize()` is then called before anything else touches the devices,
+and process 0 alone reports and writes the run directory (`jaxdp.training.hosts`).
 
 `config.model.family` ("gpt2" | "llama") picks the model; each family has its
 own `config.model` fields (see the two CPU configs). Rerunning the same command
@@ -62,17 +63,19 @@ def main(argv):
     from jaxdp import data, training  # after flag parsing: a --help stays fast
     config = _CONFIG.value
     training.maybe_initialize_distributed()  # multi-host: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+    reports = training.hosts.writes_run_dir()  # several hosts: process 0 reports and writes the run
     if config.memory_budget_gb is not None and jax.default_backend() == "cpu":  # the walkthrough: silent hours
         print("note: this config sizes its micro-batch for a GPU (config.memory_budget_gb); on this CPU the search "
               "compiles the step several times and a GPT-2-small step takes minutes. The CPU configs are "
               "experiments/configs/default.py and llama_tiny.py", file=sys.stderr, flush=True)
     try:
-        prepared = training.prepare(config, progress=data.stderr_progress)
+        prepared = training.prepare(config, progress=data.stderr_progress if reports else None)
     except training.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = training.train(config, prepared=prepared)
-    _print_summary(summary, config.workdir)
+    if reports:
+        _print_summary(summary, config.workdir)
     return 0
 
 

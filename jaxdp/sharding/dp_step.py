@@ -71,7 +71,7 @@ from jaxdp.fused_clip import check_positive, clipped_aggregate
 from jaxdp.per_example import per_example_grads
 from jaxdp.sharding import context_parallel
 from jaxdp.two_pass import two_pass_clipped_sums, weighted_loss_grad
-from jaxdp.sharding.mesh import DATA, SEQ, param_dims, spec_for
+from jaxdp.sharding.mesh import DATA, SEQ, param_dims, put, spec_for
 
 ZERO_STAGES = (0, 1, 2, 3)
 METHODS = ("bookkeeping", "two_pass")
@@ -218,10 +218,11 @@ class ShardedDPStep:
                              "build one ShardedDPStep per model")
         self.layout = layout
         _, params, rest = nnx.split(model, nnx.Param, ...)
-        opt_state = jax.jit(self.tx.init, out_shardings=layout.state_shardings.opt_state)(params)
         key = noise_lib.init_key(self.pinned_key, params)
-        state = ShardedDPState(params, rest, opt_state, key)
-        return jax.device_put(state, layout.state_shardings)
+        shardings = layout.state_shardings
+        params, rest, key = put((params, rest, key), (shardings.params, shardings.rest, shardings.noise_key))
+        opt_state = jax.jit(self.tx.init, out_shardings=shardings.opt_state)(params)
+        return ShardedDPState(params, rest, opt_state, key)
 
     @property
     def state_shardings(self) -> ShardedDPState:
@@ -326,7 +327,10 @@ class ShardedDPStep:
         return self._compiled[cache_key]
 
     def __call__(self, state: ShardedDPState, batch):
-        return self._jit(batch)(state, batch)
+        step = self._jit(batch)
+        if noise_lib.several_processes():  # host batches: each process places its own devices' slices
+            batch = put(batch, jax.tree.map(lambda a: NamedSharding(self.mesh, self.batch_spec(a)), batch))
+        return step(state, batch)
 
     def lower(self, state: ShardedDPState, batch, **lower_kwargs):
         """The lowered step (for `.compile().memory_analysis()` and HLO inspection); `lower_kwargs` go to

@@ -21,6 +21,7 @@
      `samples.txt` (continuations of public prompts) and `model/` (the final
      parameters alone: the model to share; README's "What is protected").
 
+Several hosts (`hosts`) run the same loop together, process 0 writing the run directory.
 Rerunning with the same config resumes from the latest checkpoint and writes
 exactly the metrics of an uninterrupted run; a different config in the same
 workdir is an error, not a silent mix. `load_for_generation(workdir)` and
@@ -35,7 +36,7 @@ from jaxdp.training.config import validate_config
 from jaxdp.training.generation import DEFAULT_PROMPTS
 from jaxdp.training.generation import generate
 from jaxdp.training.generation import load_for_generation
-from jaxdp.training.loop import maybe_initialize_distributed
+from jaxdp.training.hosts import maybe_initialize_distributed
 from jaxdp.training.loop import train
 from jaxdp.training.preparation import Prepared
 from jaxdp.training.preparation import prepare

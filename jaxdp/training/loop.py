@@ -6,7 +6,7 @@ the privacy accountant (`jaxdp.privacy_budget.BudgetTracker`), which stops
 training BEFORE the step that would exceed `dp.target_epsilon`, metrics,
 evaluation and checkpoints in the run directory (`jaxdp.training.run_dir`).
 With `mesh.data * mesh.seq > 1` the DP step runs on a (data, seq) mesh
-(`steps.ShardedTrainer`); `maybe_initialize_distributed()` joins several hosts.
+(`steps.ShardedTrainer`); several hosts run it together (`jaxdp.training.hosts`).
 
 Resume: rerunning with the same config restores the latest checkpoint and
 drops the `metrics.jsonl` lines after it, so an interrupted-and-resumed run
@@ -32,6 +32,7 @@ from jaxdp import noise as noise_lib
 from jaxdp import sampling
 from jaxdp.privacy_budget import BudgetTracker
 from jaxdp.training.config import build_model, runs_sharded_step
+from jaxdp.training import hosts
 from jaxdp.training.generation import write_samples
 from jaxdp.training.preparation import Prepared, mechanism, prepare
 from jaxdp.training.receipt import privacy_receipt, write_privacy_receipt
@@ -59,19 +60,6 @@ from jaxdp.training.steps import (
 )
 
 
-def maybe_initialize_distributed() -> bool:
-    """`jax.distributed.initialize()` when JAX_COORDINATOR_ADDRESS is set (multi-host runs).
-
-    Every host runs the same command with JAX_COORDINATOR_ADDRESS=<host0>:<port>,
-    JAX_NUM_PROCESSES=<hosts> and JAX_PROCESS_ID=<0..hosts-1> (read by JAX
-    itself). Returns whether it initialized.
-    """
-    if not os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        return False
-    jax.distributed.initialize()
-    return True
-
-
 def train(config, *, prepared: Prepared | None = None, interrupt_after: int | None = None,
           verbose: bool = True) -> dict:
     """Runs (or resumes) the training job of `config`; returns the summary dict.
@@ -83,6 +71,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         process had been killed there (no final checkpoint, no summary).
       verbose: progress bar and messages on stderr.
     """
+    verbose = verbose and hosts.writes_run_dir()  # several processes: process 0 reports for all
     p = prepared or prepare(config, progress=data_lib.stderr_progress if verbose else None)
     if config.dp.enabled and p.seed_guessable:
         log("WARNING: config.seed is pinned below 2^64: an attacker can search for it and replay the noise and "
@@ -93,7 +82,9 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         log("config.seed is pinned: the privacy guarantee assumes this seed is secret "
             "(it reproduces the noise and the batches) and is never pinned for another released run "
             "(two runs with one seed share their noise)", verbose)
-    _open_run_dir(p)  # from here on the workdir is written
+    hosts.barrier("jaxdp: prepared")  # no process still reads the workdir's config.json when process 0 writes it
+    if hosts.writes_run_dir():
+        _open_run_dir(p)  # from here on the workdir is written
     model, optimizer, tracker = _build(config, p)
     checkpointer = Checkpointer(p.workdir / CHECKPOINT_DIR)
     start, rows, tracker = _restore_or_evaluate(config, p, model, optimizer, tracker, checkpointer, verbose)
@@ -103,7 +94,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     step_fn = _step_fn(config, p, sharded)
     progress = Progress(config.steps, verbose, accountant=config.accountant if config.dp.enabled else None)
     clock, window_losses, last_row, stop_reason = _Throughput(), [], rows[-1], None
-    metrics_f = open(p.workdir / METRICS_FILE, "a")
+    metrics_f = open(p.workdir / METRICS_FILE, "a") if hosts.writes_run_dir() else open(os.devnull, "w")
     step = start
     try:
         for step in range(start, config.steps):
@@ -141,7 +132,9 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         log(stop_reason, verbose)
     _evaluate_and_save_final(config, p, model, optimizer, tracker, checkpointer, rows, last)
     summary = _summary(config, p, model, tracker, rows, last, stop_reason, initial_val_loss, clock)
-    _write_outputs(config, p, model, rows, summary, last)
+    if hosts.writes_run_dir():
+        _write_outputs(config, p, model, rows, summary, last)
+    hosts.barrier("jaxdp: outputs written")  # every process returns once the run's files are there
     return summary
 
 
@@ -213,7 +206,9 @@ def _restore_or_evaluate(config, p: Prepared, model, optimizer, tracker, checkpo
         log(f"evaluating the untrained model on {len(p.eval_indices)} validation windows ...", verbose)
         rows = [{"step": 0, "train_loss": None, "epsilon": 0.0 if config.dp.enabled else None,
                  "val_loss": evaluate(model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)}]
-    write_metrics(p.workdir, rows)
+    hosts.barrier("jaxdp: metrics read")  # every process read metrics.jsonl before process 0 replaces it
+    if hosts.writes_run_dir():
+        write_metrics(p.workdir, rows)
     return start, rows, tracker
 
 
@@ -297,7 +292,8 @@ def _evaluate_and_save_final(config, p: Prepared, model, optimizer, tracker, che
         row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)
         if not rows or rows[-1] is not row:
             rows.append(row)
-        write_metrics(p.workdir, rows)
+        if hosts.writes_run_dir():
+            write_metrics(p.workdir, rows)
     if checkpointer.latest_step() != last:
         checkpointer.save(last, model, optimizer, _meta(last, tracker, p))
     checkpointer.close()

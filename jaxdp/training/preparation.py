@@ -56,7 +56,7 @@ from jaxdp.sampling import (
     max_batch_size_for_delta,
     overflow_slack,
 )
-from jaxdp.training import steps
+from jaxdp.training import hosts, steps
 from jaxdp.training.config import (
     ConfigError,
     _require,
@@ -151,6 +151,8 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
              f"workdir {workdir} holds a finished run's outputs ({', '.join(finished)}) but no checkpoint: "
              "a new run there would spend the data's privacy budget again under the same receipt; pass a new "
              "--config.workdir")
+    # Several hosts: what each read decides whether it draws a fresh secret root (a collective) or resumes
+    hosts.check_agreement(config=cfg_json, checkpoint_step=None if meta is None else meta.get("step"))
     root_seed, seed_pinned = _root_seed(config, workdir, meta)
     cfg_json["seed"] = PINNED_SEED if seed_pinned else None  # never the seed itself
     init_key = None
@@ -255,6 +257,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
                  eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
                  delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
                  max_batch_size_from=max_batch_size_from, init_key=init_key, num_units=n)
+    hosts.check_agreement(root_seed=p.derive_seed("hosts agree"), data=[train.cache_path.name, valid.cache_path.name])
     return p if meta is None else _continued(p, meta)
 
 
