@@ -682,6 +682,7 @@ def test_cli_bad_input_one_line_and_run_dir_intact(cli_run, extra, needle):
 
 @pytest.mark.parametrize("arg,needles", [
     ("--config.dp.target_epsilom=3", ("config.dp.target_epsilom", 'Did you mean "target_epsilon"')),
+    ("--config.dp.accountant=rdp", ("config.dp.accountant", "did you mean --config.accountant?")),  # walkthrough
     ("--config.steps=abc", ("--config.steps=abc", "invalid literal")),
     ("--config=experiments/configs/nope.py", ("--config file could not be loaded", "nope.py")),  # walkthrough
     ("--config={tmp}/raises.py", ("--config file could not be loaded: RuntimeError: boom",)),  # review 19

@@ -25,14 +25,44 @@ def flag_error_message(error: BaseException, argv: list[str] = ()) -> str:
         key, _, hint = text.partition("\n")
         key = key.strip("'\"")
         flag = next((a.split("=")[0] for a in argv if a.startswith("--") and key in a.split("=")[0].split(".")), None)
+        if not hint.strip() and flag:  # the key exists elsewhere in the config (walkthrough: --config.dp.accountant)
+            hint = "".join(f"did you mean --{flag[2:].split('.')[0]}.{path}?" for path in _paths_named(flag, argv)[:1])
         text = (f"unknown config key {flag[2:] if flag else key!r}"
                 + (f" ({hint.strip()})" if hint.strip() else ""))
     return "error: " + " ".join(text.split())
 
 
+_DEFAULT_CONFIGS: dict[str, str] = {}  # flag name -> its default config file (`define_config`)
+
+
+def _paths_named(flag: str, argv) -> list[str]:
+    """The dotted paths in the flag's config (its --<name>=FILE, else the default) whose last key is the
+    flag's last key; [] when the config does not load."""
+    name, *_, leaf = flag[2:].split(".")
+    file = next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}=")), _DEFAULT_CONFIGS.get(name))
+    try:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("_jaxdp_cli_config", file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        flat = _flatten(module.get_config())
+    except Exception:  # noqa: BLE001 -- only a hint: a config that does not load gives none
+        return []
+    return sorted(p for p in flat if p.split(".")[-1] == leaf)
+
+
+def _flatten(config, prefix: str = "") -> list[str]:
+    paths = []
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        paths += _flatten(value, path + ".") if hasattr(value, "items") else [path]
+    return paths
+
+
 def define_config(name: str, default: str, help_string: str):
     """`config_flags.DEFINE_config_file`, locked; a bad `--<name>.<key>` override (it is read from
     sys.argv right here) prints one `error: ...` line and exits 2."""
+    _DEFAULT_CONFIGS[name] = default
     try:
         return config_flags.DEFINE_config_file(name, default, help_string, lock_config=True)
     except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
