@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import pathlib
+import re
 import unicodedata
 import warnings
 
@@ -59,7 +60,7 @@ def load_corpus(path: str | os.PathLike | None = None, *,
         if not bundled.is_file():
             raise ValueError(f"bundled corpus missing: {bundled} (reinstall jaxdp)")
         with gzip.open(bundled, "rb") as f:
-            return _read_jsonl(f, str(bundled), id_field)
+            return _read_jsonl(f, str(bundled), id_field, hint_id_fields=False)  # public text
     p = pathlib.Path(path)
     if not p.exists():
         raise ValueError(f"corpus path does not exist: {p}")
@@ -145,8 +146,15 @@ def _encodable(value: str, where: str, lineno: int, field: str) -> None:
                          f"{value[e.start:e.end]!r}, a lone surrogate escape)") from None
 
 
-def _read_jsonl(f, where: str, id_field: str | None = None) -> tuple[list[str], list[str] | None]:
-    docs, ids, spellings = [], [], {}
+# A jsonl field that names a person behind a record (walkthrough: a user left id_field unset with a user_id
+# column). A record's own id ("id", "doc_id") names no one: each document its own unit is then right.
+_PERSON_FIELD = re.compile(r"(^|[^a-z])(user|author|patient|person|customer|client|account|email|owner|sender|"
+                           r"speaker|member|employee|student)", re.IGNORECASE)
+
+
+def _read_jsonl(f, where: str, id_field: str | None = None, *,
+                hint_id_fields: bool = True) -> tuple[list[str], list[str] | None]:
+    docs, ids, spellings, fields = [], [], {}, set()
     for lineno, raw in enumerate(f, start=1):
         try:
             line = raw.decode("utf-8")
@@ -161,6 +169,7 @@ def _read_jsonl(f, where: str, id_field: str | None = None) -> tuple[list[str], 
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise ValueError(f"{where}:{lineno}: expected an object with a string field 'text'")
         _encodable(obj["text"], where, lineno, "text")
+        fields.update(k for k in obj if k != "text")
         if id_field is not None:
             uid = obj.get(id_field)
             if isinstance(uid, bool) or not isinstance(uid, (str, int)):
@@ -178,6 +187,12 @@ def _read_jsonl(f, where: str, id_field: str | None = None) -> tuple[list[str], 
                 ids.append(json.dumps(unit))
     if not docs:
         raise ValueError(f"corpus {where} contains no text")
+    person_fields = sorted(k for k in fields if _PERSON_FIELD.search(k))
+    if id_field is None and person_fields and hint_id_fields:
+        warnings.warn(f"{where}: records carry {', '.join(map(repr, person_fields[:3]))}, but no id field is set, "
+                      "so each document is its own privacy unit and a person with several documents is protected "
+                      f"per document only; to protect each person set data.id_field={person_fields[0]!r} and "
+                      "privacy.unit='user'", stacklevel=3)
     merged = {u: s for u, s in spellings.items() if len(s) > 1}
     if merged:
         example = sorted(next(iter(merged.values())))

@@ -518,13 +518,36 @@ def test_jsonl_id_field(tmp_path):
     with pytest.warns(UserWarning, match="2 differently spelled 'user_id' values are 1 unit"):
         assert data.load_corpus(path, id_field="user_id") == (["first note", "second note", "third", "fourth"],
                                                                ['"ann"', '"7"', '"ann"', '"7"'])
-    assert data.load_corpus(path) == (["first note", "second note", "third", "fourth"], None)
+    with pytest.warns(UserWarning, match="set data.id_field='user_id'"):
+        assert data.load_corpus(path) == (["first note", "second note", "third", "fourth"], None)
     path.write_text(json.dumps({"text": "no id"}) + "\n")
     with pytest.raises(ValueError, match=r"notes.jsonl:1: .*'user_id'"):
         data.load_corpus(path, id_field="user_id")
     (tmp_path / "book.txt").write_text("some text")
     with pytest.raises(ValueError, match="id_field='user_id' needs a .jsonl"):
         data.load_corpus(tmp_path / "book.txt", id_field="user_id")
+
+
+@pytest.mark.parametrize("fields,hint", [
+    ({"patient": "p1", "year": 2020}, "'patient'"), ({"userId": 3}, "'userId'"),
+    ({"author_name": "a"}, "'author_name'"),
+    ({"year": 2020, "valid": True, "paid": 1, "name": "x", "id": 3, "doc_id": 4}, None),
+])
+def test_id_like_fields_without_id_field_warn(tmp_path, fields, hint):
+    """Records naming who wrote them, trained with each document its own unit, say how to protect people
+    (walkthrough); fields that name no one, the bundled public corpus, or an id_field set, say nothing."""
+    import warnings
+    path = tmp_path / "notes.jsonl"
+    path.write_text("".join(json.dumps({"text": f"note {i}", **fields}) + "\n" for i in range(3)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data.load_corpus(path)
+        data.load_corpus(None)
+        if hint:
+            data.load_corpus(path, id_field=hint.strip("'"))
+    messages = [str(w.message) for w in caught]
+    assert messages == ([] if hint is None else [m for m in messages if f"data.id_field={hint}" in m]) and \
+        len(messages) == (hint is not None), messages
 
 
 def test_spellings_of_one_id_are_one_unit(tmp_path):
