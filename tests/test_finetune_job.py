@@ -189,12 +189,13 @@ def test_run_directory_of_the_pretraining_job(lora_run, init_run):
                                          "tokenizer (see outside_the_guarantee)")
     assert "tokenizer/ (the init's)" in receipt["outside_the_guarantee"]
     assert not any("trained bpe" in k for k in receipt["outside_the_guarantee"])
-    assert receipt["init_weights"]["path"] == str(init_run) and "the init weights (config.finetune.init)" in \
+    assert receipt["init_weights"]["name"] == init_run.name and "the init weights (config.finetune.init)" in \
         receipt["outside_the_guarantee"]
+    assert receipt["init_weights"]["sha256"] == p.init_key and str(init_run.parent) not in json.dumps(receipt)
     assert receipt["init_weights"]["their_guarantee"].startswith("unknown")  # init_run has no privacy.json
     (init_run / "privacy.json").write_text(json.dumps({"dp": True, "guarantee": "(2, 1e-05)-DP for ..."}))
     try:
-        known = receipt_lib._init_weights(p.config)["their_guarantee"]
+        known = receipt_lib._init_weights(p)["their_guarantee"]
     finally:
         (init_run / "privacy.json").unlink()
     assert known == "(2, 1e-05)-DP for ..."
@@ -212,7 +213,7 @@ def test_run_directory_of_the_pretraining_job(lora_run, init_run):
         (init_run / "config.json").write_text(json.dumps({"model": MODEL, "dtype": "float32",
                                                           "dp": {"enabled": enabled}, "data": {"path": path}}))
         try:
-            init = receipt_lib._init_weights(p.config)
+            init = receipt_lib._init_weights(p)
             outside = receipt_lib.privacy_receipt(p.config, p, steps=3, epsilon=1.0,
                                                   overflowed_steps=0)["outside_the_guarantee"]
         finally:

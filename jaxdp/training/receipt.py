@@ -84,10 +84,12 @@ OUTSIDE_THE_GUARANTEE = {
 }
 
 
-def _init_weights(config) -> dict | None:
-    """A fine-tuning run's init weights (`config.finetune.init`) and what is known of their privacy: their
-    privacy.json, else (attacker review 14) a run directory's config.json, which says whether DP ran and on
-    which data (an init trained on this run's data composes with it)."""
+def _init_weights(p) -> dict | None:
+    """A fine-tuning run's init weights (`config.finetune.init`: its folder name and SHA-256, not the local
+    path) and what is known of their privacy: their privacy.json, else (attacker review 14) a run
+    directory's config.json, which says whether DP ran and on which data (an init trained on this run's
+    data composes with it)."""
+    config = p.config
     if "finetune" not in config:
         return None
     init = pathlib.Path(str(config.finetune.init)).expanduser()
@@ -112,7 +114,8 @@ def _init_weights(config) -> dict | None:
     if same_data is True:
         note = ("THE INIT RUN TRAINED ON THIS RUN'S DATA (its config.json names config.data.path): this run's "
                 "guarantee does not cover the model with them; " + note)
-    return {"path": str(init), "their_guarantee": known, "trained_on_this_data": same_data, "note": note}
+    return {"name": init.resolve().name, "sha256": p.init_key, "their_guarantee": known,
+            "trained_on_this_data": same_data, "note": note}
 
 
 def _same_data(theirs, ours, init: pathlib.Path) -> bool | str:
@@ -154,7 +157,7 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         return {"dp": False, "guarantee": None,
                 "note": "non-DP baseline (config.dp.enabled=False): no privacy guarantee"}
     sampler, unit, k = p.sampler, config.privacy.unit, config.privacy.windows_per_unit
-    init = _init_weights(config)
+    init = _init_weights(p)
     public_tokenizer = config.data.tokenizer == "gpt2"
     bound = config.privacy.get("num_units_bound")
     size = [f"the number N of training {unit}s"] if bound is None else []  # with a bound nothing follows N
