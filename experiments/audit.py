@@ -79,23 +79,11 @@ def _white_box(config):
 def main(argv):
     del argv
     config = _CONFIG.value
-    kinds = {"black_box": _black_box, "white_box": _white_box}
-    if config.audit.kind not in kinds:
-        print(f"error: config.audit.kind must be one of {tuple(kinds)}, got {config.audit.kind!r}", file=sys.stderr)
-        return 2
-    if config.dp.delta is None:
-        print("error: config.dp.delta must be set: the audited claim's delta", file=sys.stderr)
-        return 2
-    if config.privacy.unit != "window":
-        print(f"error: config.privacy.unit must be 'window' (the audit inserts canary windows), "
-              f"got {config.privacy.unit!r}", file=sys.stderr)
-        return 2
-    if not config.dp.enabled or config.dp.method != "bookkeeping":
-        print(f"error: config.dp.enabled must be True and config.dp.method 'bookkeeping' (the audit runs the "
-              f"one-backward DP step), got {config.dp.enabled!r} / {config.dp.method!r}", file=sys.stderr)
-        return 2
+    from jaxdp import audit_runs
     from jaxdp.training import receipt
-    try:  # before the audit: a bad record_in must not cost a whole run
+    kinds = {"black_box": _black_box, "white_box": _white_box}
+    try:  # before the audit: a bad config or record_in must not cost a whole run
+        audit_runs.check_audit_config(config)
         if config.audit.record_in is not None:
             receipt.check_recordable(receipt.audit_target(config.audit.record_in), _mechanism(config),
                                      bug=config.audit.bug, delta=config.dp.delta,
@@ -106,31 +94,16 @@ def main(argv):
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    a = result.audit
-    verdict = ("EXCEEDS the claim: evidence of a privacy bug" if a.epsilon > result.claimed_epsilon else
-               f"CANNOT DETECT anything: the largest bound this audit can reach ({a.max_epsilon:.4g}) is <= the "
-               "claim; use more canaries or a smaller config.dp.target_epsilon"
-               if a.max_epsilon <= result.claimed_epsilon else
-               "within the claim (a lower bound: this does not prove the claim)")
-    print("\n".join([
-        f"one-run audit ({config.audit.kind}, bug={result.bug}; {data_desc})",
-        f"  claimed epsilon  {result.claimed_epsilon:.4g}  (sigma {result.noise_multiplier:.4g}, "
-        f"q {result.sampling_probability:.4g}, {result.steps} steps, delta {result.delta:g})",
-        f"  lower bound      {a.epsilon:.4g}  at {a.confidence:.0%} ({a.num_correct}/{a.num_guesses} guesses "
-        f"correct, k+={a.k_plus} k-={a.k_minus}, {a.num_hypotheses} guesses tried)",
-        f"  max attainable   {a.max_epsilon:.4g}  (every guess right)",
-        f"  canaries         {a.num_canaries} ({a.num_included} included)",
-        f"  verdict          {verdict}",
-        f"  time             {time.time() - start:.1f} s",
-    ]), flush=True)
+    exceeded = result.audit.epsilon > result.claimed_epsilon  # evidence of a privacy bug: exit status 1
+    print(audit_runs.report(result, config.audit.kind, data_desc, time.time() - start), flush=True)
     if config.audit.record_in is not None:
         try:
             receipt.record_audit(config.audit.record_in, result, config.audit.kind, data=_data(config))
         except (ValueError, OSError) as e:
             print(f"error: config.audit.record_in: {e}", file=sys.stderr)
-            return 1 if a.epsilon > result.claimed_epsilon else 2
+            return 1 if exceeded else 2
         print(f"  recorded in      {os.path.join(config.audit.record_in, receipt.PRIVACY_FILE)}", flush=True)
-    return 1 if a.epsilon > result.claimed_epsilon else 0
+    return 1 if exceeded else 0
 
 
 if __name__ == "__main__":

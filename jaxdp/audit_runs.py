@@ -324,3 +324,41 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, 
                          steps=steps, delta=delta, bug=bug, scores=scores, included=included,
                          canaries=canaries, loss_before=loss_before, loss_after=loss_after,
                          mechanism=mechanism, seed_pinned=seed is not None)
+
+
+AUDIT_KINDS = ("black_box", "white_box")
+
+
+def check_audit_config(config) -> None:
+    """ValueError, naming the field, unless the audit job (`experiments/audit.py`) can run `config`."""
+    if config.audit.kind not in AUDIT_KINDS:
+        raise ValueError(f"config.audit.kind must be one of {AUDIT_KINDS}, got {config.audit.kind!r}")
+    if config.dp.delta is None:
+        raise ValueError("config.dp.delta must be set: the audited claim's delta")
+    if config.privacy.unit != "window":
+        raise ValueError(f"config.privacy.unit must be 'window' (the audit inserts canary windows), "
+                         f"got {config.privacy.unit!r}")
+    if not config.dp.enabled or config.dp.method != "bookkeeping":
+        raise ValueError(f"config.dp.enabled must be True and config.dp.method 'bookkeeping' (the audit runs the "
+                         f"one-backward DP step), got {config.dp.enabled!r} / {config.dp.method!r}")
+
+
+def report(result, kind: str, data_desc: str, seconds: float) -> str:
+    """The audit job's printed result: claim, lower bound, what the audit could show at best, the verdict."""
+    a = result.audit
+    verdict = ("EXCEEDS the claim: evidence of a privacy bug" if a.epsilon > result.claimed_epsilon else
+               f"CANNOT DETECT anything: the largest bound this audit can reach ({a.max_epsilon:.4g}) is <= the "
+               "claim; use more canaries or a smaller config.dp.target_epsilon"
+               if a.max_epsilon <= result.claimed_epsilon else
+               "within the claim (a lower bound: this does not prove the claim)")
+    return "\n".join([
+        f"one-run audit ({kind}, bug={result.bug}; {data_desc})",
+        f"  claimed epsilon  {result.claimed_epsilon:.4g}  (sigma {result.noise_multiplier:.4g}, "
+        f"q {result.sampling_probability:.4g}, {result.steps} steps, delta {result.delta:g})",
+        f"  lower bound      {a.epsilon:.4g}  at {a.confidence:.0%} ({a.num_correct}/{a.num_guesses} guesses "
+        f"correct, k+={a.k_plus} k-={a.k_minus}, {a.num_hypotheses} guesses tried)",
+        f"  max attainable   {a.max_epsilon:.4g}  (every guess right)",
+        f"  canaries         {a.num_canaries} ({a.num_included} included)",
+        f"  verdict          {verdict}",
+        f"  time             {seconds:.1f} s",
+    ])

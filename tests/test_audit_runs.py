@@ -7,6 +7,7 @@ bound exceeds the claim; with the correct step it does not.
 
 import dataclasses
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -56,6 +57,31 @@ def test_skipped_clipping_bound_above_claim(sigma, l2_norm_clip):
     assert result.claimed_epsilon == pytest.approx(CLAIM, rel=1e-3)  # the claim does not know the bug
     assert result.audit.epsilon > CLAIM, result.audit
     assert result.audit.max_epsilon > CLAIM
+
+
+def test_audit_job_config_checks_and_report(correct):
+    """The audit job refuses, naming the field, what it cannot audit; its report states claim, bound and verdict."""
+    import importlib.util
+    path = pathlib.Path(__file__).parents[1] / "experiments" / "configs" / "audit.py"
+    spec = importlib.util.spec_from_file_location("audit_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    audit_runs.check_audit_config(module.get_config())
+    for field, value, needle in (("audit.kind", "grey_box", "config.audit.kind must be one of"),
+                                 ("dp.delta", None, "config.dp.delta must be set"),
+                                 ("privacy.unit", "user", "config.privacy.unit must be 'window'"),
+                                 ("dp.method", "two_pass", "config.dp.method 'bookkeeping'")):
+        config = module.get_config()
+        parent, leaf = field.split(".")
+        with config.unlocked():
+            setattr(config[parent], leaf, value)
+        with pytest.raises(ValueError, match=needle):
+            audit_runs.check_audit_config(config)
+    text = audit_runs.report(correct, "white_box", "32 synthetic records", 1.5)
+    assert f"claimed epsilon  {correct.claimed_epsilon:.4g}" in text and "time             1.5 s" in text
+    assert ("within the claim" in text or "CANNOT DETECT" in text) and "EXCEEDS" not in text
+    exceeding = dataclasses.replace(correct, claimed_epsilon=correct.audit.epsilon / 2)
+    assert "EXCEEDS the claim" in audit_runs.report(exceeding, "white_box", "", 0.0)
 
 
 def test_halved_noise_raises_the_bound(sigma, correct):
