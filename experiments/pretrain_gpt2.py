@@ -61,6 +61,7 @@ def main(argv):
     import jax
 
     from jaxdp import data, training  # after flag parsing: a --help stays fast
+    from jaxdp.sharding.processes import Disagreement
     config = _CONFIG.value
     training.maybe_initialize_distributed()  # multi-host: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
     reports = training.hosts.writes_run_dir()  # several hosts: process 0 reports and writes the run
@@ -70,7 +71,7 @@ def main(argv):
               "experiments/configs/default.py and llama_tiny.py", file=sys.stderr, flush=True)
     try:
         prepared = training.prepare(config, progress=data.stderr_progress if reports else None)
-    except training.ConfigError as e:
+    except (training.ConfigError, Disagreement) as e:  # Disagreement: hosts that prepared different runs
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = training.train(config, prepared=prepared)

@@ -331,6 +331,9 @@ AUDIT_KINDS = ("black_box", "white_box")
 
 def check_audit_config(config) -> None:
     """ValueError, naming the field, unless the audit job (`experiments/audit.py`) can run `config`."""
+    from jaxdp.training import hosts
+    if hosts.launched_as_one_of_several():
+        raise ValueError("the audit runs in one process: unset JAX_COORDINATOR_ADDRESS")
     if config.audit.kind not in AUDIT_KINDS:
         raise ValueError(f"config.audit.kind must be one of {AUDIT_KINDS}, got {config.audit.kind!r}")
     if config.dp.delta is None:

@@ -208,6 +208,10 @@ class TokenWindows:
     def __len__(self) -> int:
         return self.num_windows
 
+    def content_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The token stream and each window's start and length: equal arrays, equal windows."""
+        return self.tokens, self._starts, self._lengths
+
     def get(self, indices) -> np.ndarray:
         """Windows `indices` as an `(len(indices), seq_len + 1)` int32 array, `PAD` after a document's end."""
         idx = np.asarray(indices)

@@ -40,6 +40,7 @@ from jaxdp import noise as noise_lib
 from jaxdp.models import hf_checkpoint, hf_gpt2, hf_llama
 from jaxdp.models.llama import LlamaConfig
 from jaxdp.training import config as config_lib
+from jaxdp.training import hosts
 from jaxdp.training import preparation
 from jaxdp.training.config import ConfigError
 from jaxdp.training.preparation import Prepared
@@ -167,6 +168,9 @@ def prepare(config, *, progress=None) -> Prepared:
     ae = ft.accuracy_examples
     if not isinstance(ae, int) or isinstance(ae, bool) or ae < 0:
         raise ConfigError(f"config.finetune.accuracy_examples must be an integer >= 0, got {ae!r}")
+    if hosts.launched_as_one_of_several():
+        raise ConfigError("fine-tuning runs in one process on one device: unset JAX_COORDINATOR_ADDRESS (several "
+                          "hosts run experiments.pretrain_gpt2 only)")
     resolved, kind = resolve(config)
     if resolved.memory_budget_gb is not None or config_lib.runs_sharded_step(resolved):
         raise ConfigError("fine-tuning runs on the single-device step: config.memory_budget_gb must be None, "

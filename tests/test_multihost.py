@@ -1,9 +1,12 @@
-"""The pretraining job on two real JAX processes (jax.distributed on localhost, gloo collectives).
+"""The pretraining job and the sharded step on two real JAX processes (jax.distributed on localhost, gloo).
 
-Two processes with two CPU devices each run one (data, seq) = (2, 2) mesh under ZeRO-3, from a
-secret root seed (process 0's, broadcast), are interrupted after a checkpoint and resumed through
-the CLI. The result must equal one process with four devices pinned to the checkpoint's root (up
-to the collectives' summation order), with the run directory written by process 0 alone.
+Two processes with two CPU devices each run the job on a (data, seq) = (1, 4) mesh (each process holds
+half of every sampled window: the packed batch puts real examples first, so a data-sharded mesh would
+give process 1 only padding), from a secret root seed (process 0's, broadcast), are interrupted after a
+checkpoint and resumed through the CLI; the result must equal one process with four devices pinned to
+the checkpoint's root (up to the collectives' summation order), with the run directory written by
+process 0 alone. `ShardedDPStep` itself runs a (2, 2) mesh under ZeRO-3 on a batch without padding, and
+refuses a batch that differs between the processes (hosts sampling their own batches: sensitivity 2C).
 """
 
 import json
@@ -19,7 +22,7 @@ from jaxdp import training
 from jaxdp.training import run_dir
 from test_pretrain import REPO, cli_args, params_of, tiny_cli_overrides, tiny_config, write_tiny_corpus
 
-MESH = {"mesh.data": 2, "mesh.seq": 2, "mesh.zero_stage": 3}
+MESH = {"mesh.data": 1, "mesh.seq": 4}
 RUN = {"seed": None, "steps": 4, "checkpoint_every": 2, "log_every": 1, "eval_every": 2, "sample.num": 1}
 
 # A process of the job stopped after `interrupt_after` steps, as if killed there (the CLI cannot).
@@ -60,6 +63,7 @@ def _launch(argv_of, num_processes=2, succeed=True):
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert (p.returncode == 0) == succeed, err[-3000:]
+        assert p.returncode in (0, 2), err[-3000:]  # a refusal is one line and status 2, never a crash
     gloo = lambda line: "peer ranks" in line  # gloo's threads log their connections to stdout, interleaved
     return [("".join(line for line in out.splitlines(keepends=True) if not gloo(line)), err) for out, err in outs]
 
@@ -108,10 +112,98 @@ def test_two_processes_train_as_one_with_a_broadcast_secret_root(corpus, tmp_pat
 
 
 def test_processes_that_disagree_are_refused_before_training(corpus, tmp_path):
-    """Hosts given different configs would each place their own slices of their own batches: refused."""
+    """Hosts given different configs would each place their own slices of their own batches: refused, naming
+    the field."""
     settings = tiny_cli_overrides(corpus, tmp_path / "run", **MESH, **RUN)
-    argv = lambda i: [sys.executable, "-c", _INTERRUPTED_WORKER,
-                      json.dumps(dict(settings, learning_rate=0.01 * (i + 1))), "1"]
+    argv = lambda i: [sys.executable, "-m", "experiments.pretrain_gpt2", *cli_args(
+        {k: v for k, v in dict(settings, learning_rate=0.01 * (i + 1)).items() if v is not None})]
     for _, err in _launch(argv, succeed=False):
-        assert "processes of this run disagree on config" in err.splitlines()[-1]
+        assert "processes disagree on config.learning_rate;" in err.splitlines()[-1]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_process_that_stops_is_named_not_waited_for(corpus, tmp_path):
+    """Process 1 cannot read its data (e.g. a host without the file): it exits with its error, and process 0
+    says so within seconds instead of waiting for it (or dying later in an opaque collective)."""
+    settings = tiny_cli_overrides(corpus, tmp_path / "run", **MESH, **RUN)
+    argv = lambda i: [sys.executable, "-m", "experiments.pretrain_gpt2", *cli_args(
+        {k: v for k, v in dict(settings, **({"data.path": str(tmp_path / "missing.jsonl")} if i else {})).items()
+         if v is not None})]
+    (_, err0), (_, err1) = _launch(argv, succeed=False)
+    assert "corpus path does not exist" in err1.splitlines()[-1]
+    assert "process 1 of 2 exited before agreeing" in err0.splitlines()[-1]
+
+
+def test_single_process_jobs_refuse_to_run_once_per_host(monkeypatch):
+    """Fine-tuning and the audit run in one process: launched on several hosts they would each train from
+    their own secret root into one directory; they refuse before reading anything."""
+    import importlib.util
+
+    from jaxdp import audit_runs, finetune_job
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1")
+    configs = {}
+    for name in ("finetune", "audit"):
+        spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / "configs" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        configs[name] = module.get_config()
+    with pytest.raises(training.ConfigError, match="unset JAX_COORDINATOR_ADDRESS"):
+        finetune_job.prepare(configs["finetune"])
+    with pytest.raises(ValueError, match="unset JAX_COORDINATOR_ADDRESS"):
+        audit_runs.check_audit_config(configs["audit"])
+
+
+# ShardedDPStep on a (2, 2) mesh under ZeRO-3, two steps on an unpadded batch; then a third whose batch
+# differs on process 1. Process 0 saves the parameters after two steps to argv[1].
+_STEP_WORKER = """
+import sys
+sys.path.insert(0, "tests")
+from jaxdp import training
+training.maybe_initialize_distributed()
+import jax, numpy as np, optax
+from dp_testing import tiny_gpt2
+from jaxdp import losses, sharding
+from jaxdp.sharding import processes
+step = sharding.ShardedDPStep(losses.cp_lm_losses, optax.adam(1e-2, eps=1e-3), sharding.make_mesh(2, 2),
+                              l2_norm_clip=0.05, noise_multiplier=2.0, expected_batch_size=6.0,
+                              key=jax.random.key(7), zero_stage=3)
+state = step.init(tiny_gpt2(seed=1))
+tokens = np.random.default_rng(3).integers(0, 97, (8, 17))
+batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones(8, bool)}
+for _ in range(2):
+    state, _ = step(state, batch)
+params = processes.fetch(state.params)
+if jax.process_index() == 0:
+    np.savez(sys.argv[1], *[np.asarray(x) for x in jax.tree.leaves(params)])
+if jax.process_index() == 1:
+    batch["inputs"] = (batch["inputs"] + 1) % 97
+try:
+    step(state, batch)
+except RuntimeError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_sharded_step_on_two_processes_zero3_and_batches_that_differ(tmp_path):
+    import jax
+    import optax
+    from dp_testing import tiny_gpt2
+
+    from jaxdp import losses, sharding
+    outs = _launch(lambda i: [sys.executable, "-c", _STEP_WORKER, str(tmp_path / "two.npz")])
+    for out, _ in outs:
+        assert "REFUSED ShardedDPStep batch: the 2 processes disagree on batch;" in out, out[-2000:]
+    step = sharding.ShardedDPStep(losses.cp_lm_losses, optax.adam(1e-2, eps=1e-3), sharding.make_mesh(2, 2),
+                                  l2_norm_clip=0.05, noise_multiplier=2.0, expected_batch_size=6.0,
+                                  key=jax.random.key(7), zero_stage=3)
+    state = step.init(tiny_gpt2(seed=1))
+    tokens = np.random.default_rng(3).integers(0, 97, (8, 17))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones(8, bool)}
+    for _ in range(2):
+        state, _ = step(state, batch)
+    with np.load(tmp_path / "two.npz") as two:
+        got = [two[f"arr_{i}"] for i in range(len(two.files))]
+    want = [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

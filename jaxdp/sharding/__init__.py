@@ -1,7 +1,8 @@
 """Data and sequence parallel DP on jax.sharding meshes: DP-ZeRO stages 0-3, context parallelism, and the
-collective bytes of the compiled step (`collectives`), the longest context that fits (`longest_context`)."""
+collective bytes of the compiled step (`collectives`), the longest context that fits (`longest_context`), and
+SPMD over several processes (`processes`: placing, fetching and agreeing on host values)."""
 
-from jaxdp.sharding import collectives, context, context_parallel, longest_context
+from jaxdp.sharding import collectives, context, context_parallel, longest_context, processes
 from jaxdp.sharding.dp_step import ShardedDPState, ShardedDPStep
 from jaxdp.sharding.mesh import (
     DATA,
@@ -22,6 +23,7 @@ __all__ = [
     "context",
     "context_parallel",
     "longest_context",
+    "processes",
     "make_mesh",
     "param_specs",
     "shard_dim",

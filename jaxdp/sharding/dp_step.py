@@ -71,7 +71,8 @@ from jaxdp.fused_clip import check_positive, clipped_aggregate
 from jaxdp.per_example import per_example_grads
 from jaxdp.sharding import context_parallel
 from jaxdp.two_pass import two_pass_clipped_sums, weighted_loss_grad
-from jaxdp.sharding.mesh import DATA, SEQ, param_dims, put, spec_for
+from jaxdp.sharding.mesh import DATA, SEQ, param_dims, spec_for
+from jaxdp.sharding.processes import agree, put
 
 ZERO_STAGES = (0, 1, 2, 3)
 METHODS = ("bookkeeping", "two_pass")
@@ -166,6 +167,12 @@ class ShardedDPStep:
     `init(model)` fixes the layout (`self.layout`: which dimension of each
     parameter ZeRO shards, and the shardings of the state); a step built for
     one model structure refuses another's.
+
+    Several processes (a mesh over several hosts): every process calls `init` with the same
+    model and `step` with the same WHOLE batch as host arrays (each places its own devices'
+    slices: `jaxdp.sharding.processes.put`); both are compared across processes by digest and
+    a difference raises `processes.Disagreement` (hosts sampling their own batches could put
+    one example in two places: sensitivity 2C). Fetch the state with `processes.fetch`.
     """
 
     def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh, *,
@@ -219,6 +226,8 @@ class ShardedDPStep:
         self.layout = layout
         _, params, rest = nnx.split(model, nnx.Param, ...)
         key = noise_lib.init_key(self.pinned_key, params)
+        # several processes: each places its own copy; equal only if every host built the same model and key
+        agree("ShardedDPStep.init", params=params, rest=rest, noise_key=key)
         shardings = layout.state_shardings
         params, rest, key = put((params, rest, key), (shardings.params, shardings.rest, shardings.noise_key))
         opt_state = jax.jit(self.tx.init, out_shardings=shardings.opt_state)(params)
@@ -329,6 +338,9 @@ class ShardedDPStep:
     def __call__(self, state: ShardedDPState, batch):
         step = self._jit(batch)
         if noise_lib.several_processes():  # host batches: each process places its own devices' slices
+            # of the SAME batch: hosts sampling their own would put a unit in two places (sensitivity 2C)
+            host = [a for a in jax.tree.leaves(batch) if not isinstance(a, jax.Array)]
+            agree("ShardedDPStep batch", batch=host)
             batch = put(batch, jax.tree.map(lambda a: NamedSharding(self.mesh, self.batch_spec(a)), batch))
         return step(state, batch)
 

@@ -97,17 +97,3 @@ def param_specs(params, num_shards: int):
 def named(mesh: Mesh, specs: Any):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
-
-def put(tree: Any, shardings: Any) -> Any:
-    """`jax.device_put(tree, shardings)`, also where a sharding spans other processes' devices (several
-    hosts): each process then places its own devices' slices of its host copy, so every process must
-    hold the same values (as they do in SPMD code: same seed, same data). PRNG keys keep their type."""
-    def one(x, s):
-        if s.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
-            return jax.device_put(x, s)  # a local placement, or a global array resharded
-        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            data = one(jax.random.key_data(x), s)
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
-    return jax.tree.map(one, tree, shardings)

@@ -6,19 +6,17 @@ whose mesh spans every process's devices. The run directory lives on a filesyste
 all hosts share (orbax needs one for the checkpoints, which every process saves
 together): process 0 alone writes its files, and the others wait at a barrier
 wherever they would otherwise read a file while process 0 replaces it.
-On one process every function here is a no-op or a plain device_get.
+Placing, fetching and comparing values across processes is `jaxdp.sharding.processes`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 
 import jax
-import numpy as np
 
 from jaxdp.noise import several_processes
+from jaxdp.sharding import processes
 
 
 def maybe_initialize_distributed() -> bool:
@@ -29,15 +27,22 @@ def maybe_initialize_distributed() -> bool:
     address itself (outside Slurm, Open MPI and TPU pods), so the other two are read and
     checked here. Returns whether it initialized.
     """
-    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if not address:
+    if not launched_as_one_of_several():
         return False
+    address = os.environ["JAX_COORDINATOR_ADDRESS"]
     num_processes = _env_int("JAX_NUM_PROCESSES", 1)
     process_id = _env_int("JAX_PROCESS_ID", 0)
     if process_id >= num_processes:
         raise ValueError(f"JAX_PROCESS_ID must be in [0, JAX_NUM_PROCESSES = {num_processes}), got {process_id}")
     jax.distributed.initialize(address, num_processes=num_processes, process_id=process_id)
+    processes.announce_exit()  # a process stopped by an error is named at the others' next agreement
     return True
+
+
+def launched_as_one_of_several() -> bool:
+    """Whether this process was started as one host of several (JAX_COORDINATOR_ADDRESS set): jobs that run on
+    one process refuse it rather than run once per host into one directory, each from its own secret root."""
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
 
 
 def _env_int(name: str, minimum: int) -> int:
@@ -51,43 +56,3 @@ def _env_int(name: str, minimum: int) -> int:
 def writes_run_dir() -> bool:
     """Whether this process writes the run directory's files (process 0 of several; the only one)."""
     return not several_processes() or jax.process_index() == 0
-
-
-def barrier(name: str) -> None:
-    """Every process waits here until all have reached `name` (nothing on one process)."""
-    if several_processes():
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
-
-
-def fetch(tree):
-    """Host copies of `tree`'s arrays, also of those sharded over other processes' devices (PRNG keys stay
-    keys, their data on the host)."""
-    if not several_processes():
-        return jax.device_get(tree)
-    from jax.experimental import multihost_utils
-    is_key = lambda x: isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-    leaves, treedef = jax.tree.flatten(tree)
-    data = [jax.random.key_data(x) if is_key(x) else x for x in leaves]
-    gathered = multihost_utils.process_allgather(data, tiled=True)
-    out = [jax.random.wrap_key_data(np.asarray(g), impl=jax.random.key_impl(x)) if is_key(x) else np.asarray(g)
-           for x, g in zip(leaves, gathered)]
-    return jax.tree.unflatten(treedef, out)
-
-
-def check_agreement(**values) -> None:
-    """Raises unless every process holds the same `values` (compared by SHA-256, so secrets stay put).
-
-    SPMD code silently mixes two runs when processes disagree: each would place its own slices of
-    its own batches and noise key (`jaxdp.sharding.mesh.put` does not compare them)."""
-    if not several_processes():
-        return
-    from jax.experimental import multihost_utils
-    names = sorted(values)
-    digests = np.stack([np.frombuffer(hashlib.sha256(json.dumps(values[n], sort_keys=True, default=str).encode())
-                                      .digest(), np.uint8) for n in names])
-    every = np.asarray(multihost_utils.process_allgather(digests))  # (processes, values, 32)
-    differ = [n for i, n in enumerate(names) if not (every[:, i] == every[0, i]).all()]
-    if differ:
-        raise RuntimeError(f"the {jax.process_count()} processes of this run disagree on {', '.join(differ)}: "
-                           "run the same command and config on every host, over the same data")

@@ -32,6 +32,7 @@ from jaxdp import noise as noise_lib
 from jaxdp import sampling
 from jaxdp.privacy_budget import BudgetTracker
 from jaxdp.training.config import build_model, runs_sharded_step
+from jaxdp.sharding import processes
 from jaxdp.training import hosts
 from jaxdp.training.generation import write_samples
 from jaxdp.training.preparation import Prepared, mechanism, prepare
@@ -82,9 +83,10 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         log("config.seed is pinned: the privacy guarantee assumes this seed is secret "
             "(it reproduces the noise and the batches) and is never pinned for another released run "
             "(two runs with one seed share their noise)", verbose)
-    hosts.barrier("jaxdp: prepared")  # no process still reads the workdir's config.json when process 0 writes it
+    processes.barrier("jaxdp: prepared")  # no process still reads the workdir's config.json when process 0 writes it
     if hosts.writes_run_dir():
         _open_run_dir(p)  # from here on the workdir is written
+    processes.barrier("jaxdp: run dir open")  # made for the owner alone before another process's orbax would create it
     model, optimizer, tracker = _build(config, p)
     checkpointer = Checkpointer(p.workdir / CHECKPOINT_DIR)
     start, rows, tracker = _restore_or_evaluate(config, p, model, optimizer, tracker, checkpointer, verbose)
@@ -134,7 +136,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     summary = _summary(config, p, model, tracker, rows, last, stop_reason, initial_val_loss, clock)
     if hosts.writes_run_dir():
         _write_outputs(config, p, model, rows, summary, last)
-    hosts.barrier("jaxdp: outputs written")  # every process returns once the run's files are there
+    processes.barrier("jaxdp: outputs written")  # every process returns once the run's files are there
     return summary
 
 
@@ -206,7 +208,7 @@ def _restore_or_evaluate(config, p: Prepared, model, optimizer, tracker, checkpo
         log(f"evaluating the untrained model on {len(p.eval_indices)} validation windows ...", verbose)
         rows = [{"step": 0, "train_loss": None, "epsilon": 0.0 if config.dp.enabled else None,
                  "val_loss": evaluate(model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)}]
-    hosts.barrier("jaxdp: metrics read")  # every process read metrics.jsonl before process 0 replaces it
+    processes.barrier("jaxdp: metrics read")  # every process read metrics.jsonl before process 0 replaces it
     if hosts.writes_run_dir():
         write_metrics(p.workdir, rows)
     return start, rows, tracker

@@ -40,6 +40,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -56,7 +57,8 @@ from jaxdp.sampling import (
     max_batch_size_for_delta,
     overflow_slack,
 )
-from jaxdp.training import hosts, steps
+from jaxdp.sharding import processes
+from jaxdp.training import steps
 from jaxdp.training.config import (
     ConfigError,
     _require,
@@ -152,7 +154,8 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
              "a new run there would spend the data's privacy budget again under the same receipt; pass a new "
              "--config.workdir")
     # Several hosts: what each read decides whether it draws a fresh secret root (a collective) or resumes
-    hosts.check_agreement(config=cfg_json, checkpoint_step=None if meta is None else meta.get("step"))
+    processes.agree("prepare: config", checkpoint_step=None if meta is None else meta.get("step"),
+                    **{f"config.{k}": v for k, v in _flat(cfg_json).items()})
     root_seed, seed_pinned = _root_seed(config, workdir, meta)
     cfg_json["seed"] = PINNED_SEED if seed_pinned else None  # never the seed itself
     init_key = None
@@ -257,8 +260,28 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
                  eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
                  delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
                  max_batch_size_from=max_batch_size_from, init_key=init_key, num_units=n)
-    hosts.check_agreement(root_seed=p.derive_seed("hosts agree"), data=[train.cache_path.name, valid.cache_path.name])
+    # ... and what each computed from it: sigma, q, the batches (library versions, JAX flags, token caches)
+    processes.agree("prepare: run", root_seed=p.derive_seed("hosts agree"), mechanism=mechanism(p),
+                    train_windows=train.content_arrays(), validation_windows=valid.content_arrays(),
+                    libraries=_library_versions(), jax_flags={k: str(jax.config.values.get(k)) for k in _JAX_FLAGS})
     return p if meta is None else _continued(p, meta)
+
+
+# JAX flags that change what a program computes: several processes must agree on them (attacker review 21)
+_JAX_FLAGS = ("jax_default_prng_impl", "jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable",
+              "jax_enable_custom_prng")
+
+
+def _library_versions() -> dict:
+    """The installed versions of what computes sigma, the batches and the step (several processes agree on them)."""
+    from importlib import metadata
+    versions = {}
+    for name in ("jaxdp", "jax", "jaxlib", "numpy", "scipy", "dp-accounting", "optax", "flax", "orbax-checkpoint"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
 
 
 # The floats computed from the inputs (calibration, tail sums): a resume runs on the checkpoint's.

@@ -22,8 +22,7 @@ from jaxdp.fused_clip import FusedClipState, fused_clip
 from jaxdp.losses import cp_lm_losses, lm_losses
 from jaxdp.per_example import per_example_grads
 from jaxdp.terms import group_examples
-from jaxdp.sharding.mesh import put
-from jaxdp.training import hosts
+from jaxdp.sharding import processes
 
 # ------------------------------------------------------------------ losses
 
@@ -195,10 +194,10 @@ class ShardedTrainer:
         values = [v.get_value() for v in self._adam_variables()]
         opt_state = jax.tree.unflatten(jax.tree.structure(state.opt_state), values)
         noise_key = noise_key_variable(self.optimizer).get_value()
-        self.state = put(state._replace(opt_state=opt_state, noise_key=noise_key), self.step.state_shardings)
+        self.state = processes.put(state._replace(opt_state=opt_state, noise_key=noise_key), self.step.state_shardings)
 
     def sync(self):
-        state = hosts.fetch(self.state)  # also the parts sharded over other processes' devices
+        state = processes.fetch(self.state)  # also the parts sharded over other processes' devices
         self.step.update_model(self.model, state)
         variables, values = self._adam_variables(), jax.tree.leaves(state.opt_state)
         assert len(variables) == len(values)
