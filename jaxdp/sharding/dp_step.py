@@ -339,8 +339,8 @@ class ShardedDPStep:
         step = self._jit(batch)
         if noise_lib.several_processes():  # host batches: each process places its own devices' slices
             # of the SAME batch: hosts sampling their own would put a unit in two places (sensitivity 2C)
-            host = [a for a in jax.tree.leaves(batch) if not isinstance(a, jax.Array)]
-            agree("ShardedDPStep batch", batch=host)
+            local = [a for a in jax.tree.leaves(batch) if not (isinstance(a, jax.Array) and not a.is_fully_addressable)]
+            agree("ShardedDPStep batch", batch=local)  # NumPy or process-local jax arrays; global ones are one value
             batch = put(batch, jax.tree.map(lambda a: NamedSharding(self.mesh, self.batch_spec(a)), batch))
         return step(state, batch)
 
