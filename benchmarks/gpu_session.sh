@@ -9,6 +9,8 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
 #       dp-accounting==0.6.0 ml-collections==1.1.0
 #   # then one device call per stage, carry=[".whl"]:
+#   bash benchmarks/gpu_session.sh lent          # a 15-minute lease: rates, GPU checks beside every target's compile
+#   bash benchmarks/gpu_session.sh compile       # DP vs non-DP compile time, one process at a time (then kernels)
 #   bash benchmarks/gpu_session.sh check         # rates of this GPU; kernels, DP paths and the clip bound ON THE GPU
 #   bash benchmarks/gpu_session.sh step_b4       # issue 13's targets, GPT-2 small, seq 1024, micro-batch 4
 #   bash benchmarks/gpu_session.sh step_b16      # the same at micro-batch 16
@@ -65,7 +67,32 @@ STEP=(python3 -m experiments.bench_throughput --steps=10 --warmup=3 --timeout=24
 # G_b kept) and two_pass is the long-context method, so neither is in the seq-1024 stages.
 STEP_METHODS=explicit,ghost,auto,per_layer,pallas_flat,pallas_per_layer
 
+# Every issue-13 target in one call: 21 processes compile 8 at a time (the GPU checks run beside them), then
+# each is timed alone. Compile times from this stage are contended; the `compile` stage measures them alone.
+TARGETS=small:4:1024:explicit+auto+per_layer+pallas_per_layer,small:16:1024:explicit+auto+per_layer+pallas_per_layer
+TARGETS+=,small:1:16384:explicit+auto,medium:4:1024:explicit+auto+per_layer,medium:16:1024:explicit+auto+per_layer
+CHECKS=(tests/test_pallas_kernels.py tests/test_pallas_fused_clip.py tests/test_norm_rounding.py tests/test_chacha.py)
+
 case "${1:-}" in
+  lent)
+    header
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several processes share the GPU
+    run 60 rates python3 -m benchmarks.measure_rates  # alone: nothing else on the GPU
+    if [[ -z "${DRY:-}" ]]; then
+      (run 240 check python3 -m pytest -q -p no:cacheprovider "${CHECKS[@]}" > /dev/null; touch "$OUT/check.done") &
+    fi
+    run 400 steps "${STEP[@]}" --timeout=300 --jobs=8 --wait_for="$OUT/check.done" --configs="$TARGETS" \
+      --out="$OUT/steps.json"
+    wait
+    tail -n 3 "$OUT/check.log" 2>/dev/null
+    ;;
+  compile)
+    header
+    run 300 compile "${STEP[@]}" --steps=0 --configs=small:4:1024:auto+per_layer,medium:4:1024:auto \
+      --out="$OUT/compile.json"
+    run 240 kernels python3 -m experiments.bench_kernels --models=gpt2-small --seq_lens=1024 --batch_sizes=4,16 \
+      --out="$OUT/bench_kernels.json"
+    ;;
   check)
     header
     run 120 rates python3 -m benchmarks.measure_rates
@@ -110,7 +137,7 @@ case "${1:-}" in
       --batch_sizes=4,16 --out="$OUT/bench_kernels.json"
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh check|step_b4|step_b16|step_16k|step_medium|secure|kernels|long_context|two_pass" >&2
+    echo "usage: bash benchmarks/gpu_session.sh lent|compile|check|step_b4|step_b16|step_16k|step_medium|secure|kernels|long_context|two_pass" >&2
     exit 2
     ;;
 esac

@@ -30,8 +30,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import selectors
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import app, flags
@@ -42,18 +44,24 @@ METHODS = ("non_dp", "explicit", "two_pass", "ghost", "store", "auto", "per_laye
            "pallas_per_layer")
 SECURE = "auto_secure"  # auto with fused_clip(secure_noise=True); on request (--methods), not in the default grid
 CONFIGS = flags.DEFINE_list("configs", ["small:4:1024", "small:16:1024", "small:1:16384"],
-                            "model:micro_batch:seq_len of GPT-2 presets")
+                            "model:micro_batch:seq_len of GPT-2 presets, optionally :method+method+... "
+                            "(that configuration's methods instead of --methods)")
 METHODS_FLAG = flags.DEFINE_list("methods", list(METHODS),
                                  f"methods to run (non_dp is always added; also {SECURE})")
 DTYPE = flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
 ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "xla", "cudnn"], "attention implementation")
-STEPS = flags.DEFINE_integer("steps", 10, "timed steps (median reported)")
+STEPS = flags.DEFINE_integer("steps", 10, "timed steps (median reported); 0: compile and memory analysis only")
 WARMUP = flags.DEFINE_integer("warmup", 3, "untimed steps after compilation")
 TARGET = flags.DEFINE_enum("target", None, ["h100"], "compile for this GPU without one (predictions only)")
 OUT = flags.DEFINE_string("out", "benchmarks/bench_throughput.json", "JSON output path")
 SMOKE = flags.DEFINE_boolean("smoke", False, "tiny GPT-2, seq 32, B 2, 2 steps: a CPU check")
 CHILD = flags.DEFINE_string("child", None, "internal: run one configuration (JSON) and print its result")
 TIMEOUT = flags.DEFINE_integer("timeout", 1800, "seconds per configuration")
+JOBS = flags.DEFINE_integer("jobs", 1, "processes compiling at once; >1: all compile first (JOBS at a time), "
+                            "then each is timed alone (a GPU's lease is short; compile_s is then contended)")
+WAIT_FOR = flags.DEFINE_string("wait_for", None, "with --jobs > 1: before timing, wait (up to --timeout) until this "
+                                "file exists (e.g. GPU tests run beside the compiles write it when done)")
+HOLD = flags.DEFINE_boolean("hold", False, "internal: after compiling, print COMPILED and wait for a line on stdin")
 
 
 def _step_fn(cfg: dict):
@@ -133,11 +141,16 @@ def run_one(cfg: dict) -> dict:
     compiled_bytes = (analysis.temp_size_in_bytes + analysis.argument_size_in_bytes
                       + analysis.output_size_in_bytes - analysis.alias_size_in_bytes) if analysis else None
     row = dict(cfg, status="ok", compile_s=compile_s, compiled_bytes=compiled_bytes)
+    if HOLD.value:  # --jobs > 1: the parent times one process at a time, after every compile has finished
+        print("COMPILED", flush=True)
+        sys.stdin.readline()
     if cfg.get("target"):
         from jaxdp import device_rates, hlo_cost
         rates = device_rates.H100
         return dict(row, **hlo_cost.summary(hlo_cost.step_cost(compiled), rates, cfg["dtype"]),
                     peak_bytes=compiled_bytes, peak_source="memory_analysis")
+    if not cfg["steps"]:  # compile time and memory analysis only
+        return dict(row, peak_bytes=compiled_bytes, peak_source="memory_analysis")
     for _ in range(cfg["warmup"]):
         state = compiled(state, batch, key)
     jax.block_until_ready(state)
@@ -154,22 +167,83 @@ def run_one(cfg: dict) -> dict:
     return dict(row, step_s=median, tokens_per_s=cfg["B"] * cfg["T"] / median, peak_bytes=peak, peak_source=source)
 
 
-def _spawn(cfg: dict) -> dict:
-    cmd = [sys.executable, "-m", "experiments.bench_throughput", f"--child={json.dumps(cfg)}"]
+def _parse_config(text: str) -> tuple[str, int, int, list[str] | None]:
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not parts[1].isdigit() or not parts[2].isdigit():
+        raise app.UsageError(f"--configs: {text!r} is not model:micro_batch:seq_len[:method+method...]")
+    return parts[0], int(parts[1]), int(parts[2]), parts[3].split("+") if len(parts) == 4 else None
+
+
+def _command(cfg: dict, hold: bool = False) -> tuple[list[str], dict | None]:
+    cmd = [sys.executable, "-m", "experiments.bench_throughput", f"--child={json.dumps(cfg)}"] + ["--hold"] * hold
     # A deviceless GPU compile: no CUDA driver to check, the Pallas kernels compile (not interpret), and
     # strategy="auto" plans with the target's rates.
     deviceless = dict(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", JAXDP_PALLAS_INTERPRET="0",
                       JAXDP_DEVICE_KIND=cfg.get("target") or "")
-    env = dict(os.environ, **deviceless) if cfg.get("target") else None
+    return cmd, dict(os.environ, **deviceless) if cfg.get("target") else None
+
+
+def _row(cfg: dict, returncode: int, stdout: str, stderr: str) -> dict:
+    if returncode == 0:
+        return json.loads(stdout.strip().splitlines()[-1])
+    oom = any(s in stderr for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory"))
+    return dict(cfg, status="OOM" if oom else "error", error=stderr.strip().splitlines()[-1:] or [""])
+
+
+def _spawn(cfg: dict) -> dict:
+    cmd, env = _command(cfg)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT.value, env=env)
     except subprocess.TimeoutExpired:
         return dict(cfg, status="timeout")
-    if proc.returncode == 0:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    err = proc.stderr
-    oom = any(s in err for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory"))
-    return dict(cfg, status="OOM" if oom else "error", error=err.strip().splitlines()[-1:] or [""])
+    return _row(cfg, proc.returncode, proc.stdout, proc.stderr)
+
+
+def _held_rows(cfgs: list[dict], jobs: int):
+    """Yields each configuration's row, in order: all compile first (`jobs` processes at a time), then each
+    is timed alone. A short GPU lease cannot wait for ~20 serial compiles; timing stays uncontended (no
+    compile or autotuning runs beside a timed step), compile_s does not (the JSON records `jobs`)."""
+    procs, logs, compiled, dead = {}, {}, set(), {}
+    waiting = list(range(len(cfgs)))
+    with selectors.DefaultSelector() as sel:
+        while waiting or sel.get_map():
+            while waiting and len(sel.get_map()) < jobs:
+                i = waiting.pop(0)
+                cmd, env = _command(cfgs[i], hold=True)
+                logs[i] = tempfile.TemporaryFile("w+")
+                procs[i] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[i],
+                                            text=True, env=env)
+                sel.register(procs[i].stdout, selectors.EVENT_READ, (i, time.monotonic()))
+            for key, _ in sel.select(timeout=1.0) or []:
+                i, _ = key.data
+                sel.unregister(key.fileobj)
+                (compiled.add(i) if key.fileobj.readline().strip() == "COMPILED" else dead.setdefault(i, None))
+            for key in list(sel.get_map().values()):  # compiles past the per-configuration timeout
+                i, started = key.data
+                if time.monotonic() - started > TIMEOUT.value:
+                    sel.unregister(key.fileobj)
+                    procs[i].kill()
+                    dead[i] = "timeout"
+    waited = time.monotonic()
+    while WAIT_FOR.value and not os.path.exists(WAIT_FOR.value) and time.monotonic() - waited < TIMEOUT.value:
+        time.sleep(1.0)
+    for i, cfg in enumerate(cfgs):
+        proc = procs[i]
+        try:
+            if i in compiled:
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            stdout, _ = proc.communicate(timeout=TIMEOUT.value)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            dead[i] = "timeout"
+        if dead.get(i) == "timeout":
+            yield dict(cfg, status="timeout")
+            continue
+        logs[i].seek(0)
+        yield dict(_row(cfg, proc.returncode, stdout, logs[i].read()), jobs=jobs)
+        logs[i].close()
 
 
 def _ratio(row, base, key, fmt):
@@ -199,14 +273,14 @@ def main(argv):
         return
     import jax
     if SMOKE.value:
-        configs, steps, warmup, vocab, dtype = [("tiny", 2, 32)], 2, 1, 97, "float32"
+        configs, steps, warmup, vocab, dtype = [("tiny", 2, 32, None)], 2, 1, 97, "float32"
     else:
-        configs = [(m, int(b), int(t)) for m, b, t in (c.split(":") for c in CONFIGS.value)]
+        configs = [_parse_config(c) for c in CONFIGS.value]
         steps, warmup, vocab, dtype = STEPS.value, WARMUP.value, 50257, DTYPE.value
     target = TARGET.value
     attention = "cudnn" if target and ATTENTION.value == "auto" else ATTENTION.value
     methods = ["non_dp"] + [m for m in METHODS_FLAG.value if m != "non_dp"]
-    unknown = sorted(set(methods) - set(METHODS) - {SECURE})
+    unknown = sorted(set(methods).union(*(c[3] or () for c in configs)) - set(METHODS) - {SECURE})
     if unknown:
         raise app.UsageError(f"--methods: unknown {unknown}; allowed: {', '.join(METHODS + (SECURE,))}")
     where = f"predicted for {target} (XLA:GPU deviceless compile on {jax.devices()[0].device_kind})" if target else \
@@ -220,19 +294,18 @@ def main(argv):
         print("| model | B | T | method | tokens/s | vs non-DP | peak MiB | vs non-DP | compile s | vs non-DP | "
               "memory |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = []
-    for model, B, T in configs:
-        base = None
-        for method in methods:
-            cfg = dict(model=model, B=B, T=T, method=method, dtype=dtype, vocab=vocab, attention=attention,
-                       steps=steps, warmup=warmup, target=target)
-            row = _spawn(cfg)
-            base = row if method == "non_dp" else base
-            rows.append(row)
-            print(f"| {model} | {B} | {T} | {method} | " + " | ".join(_cells(row, base, bool(target))) + " |",
-                  flush=True)
-    write_results(OUT.value, rows, target=target)
-
+    cfgs = [dict(model=model, B=B, T=T, method=method, dtype=dtype, vocab=vocab, attention=attention, steps=steps,
+                 warmup=warmup, target=target) for model, B, T, config_methods in configs
+            for method in ["non_dp"] + [m for m in config_methods or methods if m != "non_dp"]]
+    held = JOBS.value > 1 and not target
+    rows, base = [], None
+    for cfg, row in zip(cfgs, _held_rows(cfgs, JOBS.value) if held else map(_spawn, cfgs)):
+        base = row if cfg["method"] == "non_dp" else base
+        rows.append(row)
+        print(f"| {cfg['model']} | {cfg['B']} | {cfg['T']} | {cfg['method']} | "
+              + " | ".join(_cells(row, base, bool(target))) + " |", flush=True)
+        write_results(OUT.value, rows, target=target, jobs=JOBS.value, quiet=True)  # a killed run keeps its rows
+    write_results(OUT.value, rows, target=target, jobs=JOBS.value)
 
 if __name__ == "__main__":
     app.run(main)
