@@ -54,13 +54,21 @@ H100 = DeviceRates(
     "bf16 rate and copy bandwidth as measured in ../shared/DESIGN.md; float32 from the spec sheet (not measured)",
     memory_bytes=80e9)     # the 80 GB of HBM3 (spec)
 
+H200 = DeviceRates(
+    "NVIDIA H200",
+    {"bfloat16": 7.74e14,  # measured: 8192^3 GEMM, f32 accumulation, 50 in one program
+     "float32": 5.13e13},  # measured: the same at HIGHEST precision (no TF32)
+    4.06e12,               # measured: copy of 1 GiB float32 (read + write bytes)
+    "python -m benchmarks.measure_rates, NVIDIA H200, JAX 0.11.2, 2026-11-27 (benchmarks/h200-2026-11-27/rates.log)",
+    memory_bytes=143771 * 2**20)  # nvidia-smi's memory.total on that machine
+
 CPU = DeviceRates(
     "cpu",
     {"bfloat16": 1.02e11, "float32": 1.57e11},
     1.23e10,
     "python -m benchmarks.measure_rates, cpu (2 cores), JAX 0.10.2, 2026-11-23")
 
-TABLE = (H100, CPU)
+TABLE = (H100, H200, CPU)
 
 
 def current() -> DeviceRates:

@@ -185,6 +185,15 @@ def test_auto_stores_per_example_gradients_where_faster():
     assert saved == 2 * 4 * 1024 * d * 4 * d - 2 * 4 * d * 4 * d
 
 
+@pytest.mark.parametrize("kind, row", [("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"),
+                                      ("NVIDIA H200 NVL", "H200"), ("cpu", "CPU")])
+def test_device_rates_row_by_device_kind(kind, row, monkeypatch):
+    """`auto` plans with the rates measured on the device it runs on (the H200 row is from a real one)."""
+    from jaxdp import device_rates
+    monkeypatch.setenv("JAXDP_DEVICE_KIND", kind)
+    assert device_rates.current() is getattr(device_rates, row)
+
+
 @pytest.mark.parametrize("plant", [None, "no_lookups", "bf16_lookup_sum"])
 def test_stored_bf16_per_example_gradients_equal_float64_reference(plant, monkeypatch):
     """`store` keeps bf16 G_b for bf16 inputs (half the bytes), and its clipped sum of a tied embedding
