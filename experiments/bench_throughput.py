@@ -42,6 +42,7 @@ from experiments._results import write_results
 
 METHODS = ("non_dp", "explicit", "two_pass", "ghost", "store", "auto", "per_layer", "pallas_flat",
            "pallas_per_layer")
+PROFILED_STEPS = 3
 SECURE = "auto_secure"  # auto with fused_clip(secure_noise=True); on request (--methods), not in the default grid
 CONFIGS = flags.DEFINE_list("configs", ["small:4:1024", "small:16:1024", "small:1:16384"],
                             "model:micro_batch:seq_len of GPT-2 presets, optionally :method+method+... "
@@ -50,7 +51,9 @@ METHODS_FLAG = flags.DEFINE_list("methods", list(METHODS),
                                  f"methods to run (non_dp is always added; also {SECURE})")
 DTYPE = flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
 ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "xla", "cudnn"], "attention implementation")
-STEPS = flags.DEFINE_integer("steps", 10, "timed steps (median reported); 0: compile and memory analysis only")
+STEPS = flags.DEFINE_integer("steps", 10, "steps per timed repeat, dispatched back to back; 0: compile and "
+                             "memory analysis only")
+REPEATS = flags.DEFINE_integer("repeats", 3, "timed repeats (median of their per-step times)")
 WARMUP = flags.DEFINE_integer("warmup", 3, "untimed steps after compilation")
 TARGET = flags.DEFINE_enum("target", None, ["h100"], "compile for this GPU without one (predictions only)")
 OUT = flags.DEFINE_string("out", "benchmarks/bench_throughput.json", "JSON output path")
@@ -61,12 +64,17 @@ JOBS = flags.DEFINE_integer("jobs", 1, "processes compiling at once; >1: all com
                             "then each is timed alone (a GPU's lease is short; compile_s is then contended)")
 WAIT_FOR = flags.DEFINE_string("wait_for", None, "with --jobs > 1: before timing, wait (up to --timeout) until this "
                                 "file exists (e.g. GPU tests run beside the compiles write it when done)")
+PROFILE_DIR = flags.DEFINE_string("profile_dir", None, "also trace 3 steps per configuration (jax.profiler) under "
+                                   "this folder and print where the GPU time goes (experiments/_profile.py)")
 HOLD = flags.DEFINE_boolean("hold", False, "internal: after compiling, print COMPILED and wait for a line on stdin")
 
 
 def _step_fn(cfg: dict):
-    """(jitted step, model/optimizer state, batch, key), abstract (shapes only) when `cfg["target"]` is set."""
+    """(jitted step, its abstract arguments (state, batch, key), a function building the real ones).
+
+    Compiling from shapes keeps a held process's device memory free for the process being timed."""
     import jax
+    import jax.numpy as jnp
     import optax
     from flax import nnx
 
@@ -95,7 +103,7 @@ def _step_fn(cfg: dict):
         model = GPT2(config, rngs=nnx.Rngs(0))
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-    graphdef, state = nnx.split(nnx.eval_shape(build) if cfg.get("target") else build())
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
     grads_fn = jaxdp.per_example_grads(losses_fn)
     two_pass = jaxdp.two_pass_clipped_sums(losses_fn, C, allow_low_precision=True)  # timing only
 
@@ -118,24 +126,29 @@ def _step_fn(cfg: dict):
         optimizer.update(model, grads_of(model, batch, key))
         return nnx.state((model, optimizer))
 
-    batch = {"tokens": jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg["vocab"])}
-    key = jax.random.key(2)
+    def inputs():
+        """The step's real arguments, built after compiling (a held process keeps no state on the device)."""
+        _, state = nnx.split(build())
+        return state, {"tokens": jax.random.randint(jax.random.key(1), (B, T + 1), 0, cfg["vocab"])}, jax.random.key(2)
+
+    sharding = None
     if cfg.get("target"):
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
         from jaxdp.hlo_cost import target_devices
-        replicated = NamedSharding(Mesh(target_devices(cfg["target"], 1), ("x",)), PartitionSpec())
-        abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
-        state, batch, key = jax.tree.map(abstract, (state, batch, key))
-    return step, state, batch, key
+        sharding = NamedSharding(Mesh(target_devices(cfg["target"], 1), ("x",)), PartitionSpec())
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                            (abstract_state, jax.ShapeDtypeStruct((B, T + 1), jnp.int32), jax.random.key(2)))
+    state_spec, tokens_spec, key_spec = abstract
+    return step, (state_spec, {"tokens": tokens_spec}, key_spec), inputs
 
 
 def run_one(cfg: dict) -> dict:
     import jax
     import numpy as np
-    step, state, batch, key = _step_fn(cfg)
+    step, abstract_args, inputs = _step_fn(cfg)
     t0 = time.perf_counter()
-    compiled = step.trace(state, batch, key).lower().compile()
+    compiled = step.trace(*abstract_args).lower().compile()
     compile_s = time.perf_counter() - t0
     analysis = compiled.memory_analysis()
     compiled_bytes = (analysis.temp_size_in_bytes + analysis.argument_size_in_bytes
@@ -151,20 +164,34 @@ def run_one(cfg: dict) -> dict:
                     peak_bytes=compiled_bytes, peak_source="memory_analysis")
     if not cfg["steps"]:  # compile time and memory analysis only
         return dict(row, peak_bytes=compiled_bytes, peak_source="memory_analysis")
+    state, batch, key = inputs()
     for _ in range(cfg["warmup"]):
         state = compiled(state, batch, key)
     jax.block_until_ready(state)
+    # Steps dispatched back to back, as a training loop runs them: host dispatch overlaps the device's
+    # work (a sync per step would add the same host time to every method and pull ratios toward 1).
     times = []
-    for _ in range(cfg["steps"]):
+    for _ in range(REPEATS.value):
         t0 = time.perf_counter()
-        state = jax.block_until_ready(compiled(state, batch, key))
-        times.append(time.perf_counter() - t0)
+        for _ in range(cfg["steps"]):
+            state = compiled(state, batch, key)
+        jax.block_until_ready(state)
+        times.append((time.perf_counter() - t0) / cfg["steps"])
     stats = jax.devices()[0].memory_stats() or {}
     peak, source = stats.get("peak_bytes_in_use"), "peak_bytes_in_use"
     if peak is None:
         peak, source = compiled_bytes, "memory_analysis"
+    if cfg.get("profile_dir"):
+        from experiments import _profile
+        log_dir = os.path.join(cfg["profile_dir"], f"{cfg['model']}_{cfg['B']}_{cfg['T']}_{cfg['method']}")
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for _ in range(PROFILED_STEPS):
+                state = compiled(state, batch, key)
+            jax.block_until_ready(state)
+        row["profile"] = _profile.summarize(log_dir, PROFILED_STEPS)
     median = float(np.median(times))
-    return dict(row, step_s=median, tokens_per_s=cfg["B"] * cfg["T"] / median, peak_bytes=peak, peak_source=source)
+    return dict(row, step_s=median, tokens_per_s=cfg["B"] * cfg["T"] / median, peak_bytes=peak, peak_source=source,
+                timing=f"median of {REPEATS.value} x {cfg['steps']} steps, one sync each")
 
 
 def _parse_config(text: str) -> tuple[str, int, int, list[str] | None]:
@@ -266,6 +293,19 @@ def _cells(row, base, predicted: bool) -> list[str]:
     return _ratio(row, base, "tokens_per_s", lambda t: f"{t:,.0f}") + mem + comp + [row["peak_source"]]
 
 
+def _print_profiles(rows: list[dict]) -> None:
+    """Where each step's GPU time goes (ms per step, from the traced steps)."""
+    from experiments._profile import KINDS
+    kinds = (*KINDS, "fusion")
+    print("\n| model | B | T | method | GPU busy ms | " + " | ".join(f"{k} ms" for k in kinds) + " | kernels |")
+    print("|---|---|---|---|---|" + "---|" * len(kinds) + "---|")
+    for row in rows:
+        if "profile" in row:
+            prof = row["profile"]
+            print(f"| {row['model']} | {row['B']} | {row['T']} | {row['method']} | {prof['busy_ms']:.2f} | "
+                  + " | ".join(f"{prof[f'{k}_ms']:.2f}" for k in kinds) + f" | {prof['kernels']:.0f} |")
+
+
 def main(argv):
     del argv
     if CHILD.value:
@@ -295,7 +335,8 @@ def main(argv):
               "memory |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
     cfgs = [dict(model=model, B=B, T=T, method=method, dtype=dtype, vocab=vocab, attention=attention, steps=steps,
-                 warmup=warmup, target=target) for model, B, T, config_methods in configs
+                 warmup=warmup, target=target, profile_dir=PROFILE_DIR.value)
+            for model, B, T, config_methods in configs
             for method in ["non_dp"] + [m for m in config_methods or methods if m != "non_dp"]]
     held = JOBS.value > 1 and not target
     rows, base = [], None
@@ -305,6 +346,8 @@ def main(argv):
         print(f"| {cfg['model']} | {cfg['B']} | {cfg['T']} | {cfg['method']} | "
               + " | ".join(_cells(row, base, bool(target))) + " |", flush=True)
         write_results(OUT.value, rows, target=target, jobs=JOBS.value, quiet=True)  # a killed run keeps its rows
+    if any("profile" in row for row in rows):
+        _print_profiles(rows)
     write_results(OUT.value, rows, target=target, jobs=JOBS.value)
 
 if __name__ == "__main__":
