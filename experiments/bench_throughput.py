@@ -1,6 +1,6 @@
 """One full DP-Adam step per method (FlashDP's Table 1 layout): tokens/s, peak memory and compile time vs non-DP.
 
-    python -m experiments.bench_throughput                  # the default grid on a GPU (under 10 min on an H100)
+    python -m experiments.bench_throughput --jobs=8         # the default grid on a GPU, 8 compiles at a time
     python -m experiments.bench_throughput --target=h100    # predicted: XLA:GPU deviceless compile, no GPU
     python -m experiments.bench_throughput --smoke          # tiny GPT-2 on CPU, seconds
 
@@ -17,7 +17,11 @@ micro-batch 4 and 16, and at seq 16384 with micro-batch 1). Methods (flat clippi
   pallas_per_layer  fused_clip, strategy="pallas", clipping="per_layer" (single-pass kernel)
 Every configuration runs in its own process so its peak memory is clean; the
 parent prints a markdown table (ratios to non_dp of the same configuration)
-and writes JSON. Peak memory: device.memory_stats()["peak_bytes_in_use"] where
+and writes JSON. Serially (`--jobs=1`) each DP process spends ~40-70 s compiling
+on a GPU; with `--jobs=8` all compile first, 8 at a time, then each is timed
+alone (21 configurations of GPT-2 small / medium took under 5 minutes on an
+H200, 2026-11-27; their compile times are then contended). Steps are timed
+back to back with one sync per repeat, as a training loop dispatches them. Peak memory: device.memory_stats()["peak_bytes_in_use"] where
 the backend reports it, else the compiled step's memory_analysis(). With
 `--target`, nothing runs: each row is the compiled step's bytes, its FLOPs,
 bytes and kernel launches read from the optimized HLO (`jaxdp.hlo_cost`) and
