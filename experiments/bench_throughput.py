@@ -21,8 +21,9 @@ and writes JSON. Serially (`--jobs=1`) each DP process spends ~40-70 s compiling
 on a GPU; with `--jobs=8` all compile first, 8 at a time, then each is timed
 alone (21 configurations of GPT-2 small / medium took under 5 minutes on an
 H200, 2026-11-27; their compile times are then contended). Steps are timed
-back to back with one sync per repeat, as a training loop dispatches them. Peak memory: device.memory_stats()["peak_bytes_in_use"] where
-the backend reports it, else the compiled step's memory_analysis(). With
+back to back with one sync per repeat, as a training loop dispatches them.
+Peak memory: device.memory_stats()["peak_bytes_in_use"] where the backend
+reports it, else the compiled step's memory_analysis(). With
 `--target`, nothing runs: each row is the compiled step's bytes, its FLOPs,
 bytes and kernel launches read from the optimized HLO (`jaxdp.hlo_cost`) and
 their roofline time with the target's rates (`jaxdp.device_rates`), and the
@@ -230,11 +231,11 @@ def _spawn(cfg: dict) -> dict:
     return _row(cfg, proc.returncode, proc.stdout, proc.stderr)
 
 
-def _held_rows(cfgs: list[dict], jobs: int):
+def _held_rows(cfgs: list[dict], jobs: int, timeout: float, wait_for: str | None = None):
     """Yields each configuration's row, in order: all compile first (`jobs` processes at a time), then each
     is timed alone. A short GPU lease cannot wait for ~20 serial compiles; timing stays uncontended (no
     compile or autotuning runs beside a timed step), compile_s does not (the JSON records `jobs`)."""
-    procs, logs, compiled, dead = {}, {}, set(), {}
+    procs, logs, compiled, timed_out = {}, {}, set(), set()
     waiting = list(range(len(cfgs)))
     with selectors.DefaultSelector() as sel:
         while waiting or sel.get_map():
@@ -248,15 +249,16 @@ def _held_rows(cfgs: list[dict], jobs: int):
             for key, _ in sel.select(timeout=1.0) or []:
                 i, _ = key.data
                 sel.unregister(key.fileobj)
-                (compiled.add(i) if key.fileobj.readline().strip() == "COMPILED" else dead.setdefault(i, None))
+                if key.fileobj.readline().strip() == "COMPILED":  # else it exited: its row says why
+                    compiled.add(i)
             for key in list(sel.get_map().values()):  # compiles past the per-configuration timeout
                 i, started = key.data
-                if time.monotonic() - started > TIMEOUT.value:
+                if time.monotonic() - started > timeout:
                     sel.unregister(key.fileobj)
                     procs[i].kill()
-                    dead[i] = "timeout"
+                    timed_out.add(i)
     waited = time.monotonic()
-    while WAIT_FOR.value and not os.path.exists(WAIT_FOR.value) and time.monotonic() - waited < TIMEOUT.value:
+    while wait_for and not os.path.exists(wait_for) and time.monotonic() - waited < timeout:
         time.sleep(1.0)
     for i, cfg in enumerate(cfgs):
         proc = procs[i]
@@ -264,12 +266,12 @@ def _held_rows(cfgs: list[dict], jobs: int):
             if i in compiled:
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
-            stdout, _ = proc.communicate(timeout=TIMEOUT.value)
+            stdout, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-            dead[i] = "timeout"
-        if dead.get(i) == "timeout":
+            timed_out.add(i)
+        if i in timed_out:
             yield dict(cfg, status="timeout")
             continue
         logs[i].seek(0)
@@ -344,7 +346,8 @@ def main(argv):
             for method in ["non_dp"] + [m for m in config_methods or methods if m != "non_dp"]]
     held = JOBS.value > 1 and not target
     rows, base = [], None
-    for cfg, row in zip(cfgs, _held_rows(cfgs, JOBS.value) if held else map(_spawn, cfgs)):
+    rows_of = _held_rows(cfgs, JOBS.value, TIMEOUT.value, WAIT_FOR.value) if held else map(_spawn, cfgs)
+    for cfg, row in zip(cfgs, rows_of):
         base = row if cfg["method"] == "non_dp" else base
         rows.append(row)
         print(f"| {cfg['model']} | {cfg['B']} | {cfg['T']} | {cfg['method']} | "
