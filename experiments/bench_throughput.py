@@ -17,8 +17,8 @@ micro-batch 4 and 16, and at seq 16384 with micro-batch 1). Methods (flat clippi
   pallas_per_layer  fused_clip, strategy="pallas", clipping="per_layer" (single-pass kernel)
 Every configuration runs in its own process so its peak memory is clean; the
 parent prints a markdown table (ratios to non_dp of the same configuration)
-and writes JSON. Serially (`--jobs=1`) each DP process spends ~40-70 s compiling
-on a GPU; with `--jobs=8` all compile first, 8 at a time, then each is timed
+and writes JSON. Serially (`--jobs=1`) a DP process spent 63-90 s compiling
+on an H100 (2026-11-23); with `--jobs=8` all compile first, 8 at a time, then each is timed
 alone (21 configurations of GPT-2 small / medium took under 5 minutes on an
 H200, 2026-11-27; their compile times are then contended). Steps are timed
 back to back with one sync per repeat, as a training loop dispatches them.
