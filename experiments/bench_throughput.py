@@ -35,14 +35,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import selectors
 import subprocess
 import sys
-import tempfile
 import time
 
 from absl import app, flags
 
+from experiments import _held
 from experiments._results import write_results
 
 METHODS = ("non_dp", "explicit", "two_pass", "ghost", "store", "auto", "per_layer", "pallas_flat",
@@ -215,68 +214,13 @@ def _command(cfg: dict, hold: bool = False) -> tuple[list[str], dict | None]:
     return cmd, dict(os.environ, **deviceless) if cfg.get("target") else None
 
 
-def _row(cfg: dict, returncode: int, stdout: str, stderr: str) -> dict:
-    if returncode == 0:
-        return json.loads(stdout.strip().splitlines()[-1])
-    oom = any(s in stderr for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory"))
-    return dict(cfg, status="OOM" if oom else "error", error=stderr.strip().splitlines()[-1:] or [""])
-
-
 def _spawn(cfg: dict) -> dict:
     cmd, env = _command(cfg)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT.value, env=env)
     except subprocess.TimeoutExpired:
         return dict(cfg, status="timeout")
-    return _row(cfg, proc.returncode, proc.stdout, proc.stderr)
-
-
-def _held_rows(cfgs: list[dict], jobs: int, timeout: float, wait_for: str | None = None):
-    """Yields each configuration's row, in order: all compile first (`jobs` processes at a time), then each
-    is timed alone. A short GPU lease cannot wait for ~20 serial compiles; timing stays uncontended (no
-    compile or autotuning runs beside a timed step), compile_s does not (the JSON records `jobs`)."""
-    procs, logs, compiled, timed_out = {}, {}, set(), set()
-    waiting = list(range(len(cfgs)))
-    with selectors.DefaultSelector() as sel:
-        while waiting or sel.get_map():
-            while waiting and len(sel.get_map()) < jobs:
-                i = waiting.pop(0)
-                cmd, env = _command(cfgs[i], hold=True)
-                logs[i] = tempfile.TemporaryFile("w+")
-                procs[i] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[i],
-                                            text=True, env=env)
-                sel.register(procs[i].stdout, selectors.EVENT_READ, (i, time.monotonic()))
-            for key, _ in sel.select(timeout=1.0) or []:
-                i, _ = key.data
-                sel.unregister(key.fileobj)
-                if key.fileobj.readline().strip() == "COMPILED":  # else it exited: its row says why
-                    compiled.add(i)
-            for key in list(sel.get_map().values()):  # compiles past the per-configuration timeout
-                i, started = key.data
-                if time.monotonic() - started > timeout:
-                    sel.unregister(key.fileobj)
-                    procs[i].kill()
-                    timed_out.add(i)
-    waited = time.monotonic()
-    while wait_for and not os.path.exists(wait_for) and time.monotonic() - waited < timeout:
-        time.sleep(1.0)
-    for i, cfg in enumerate(cfgs):
-        proc = procs[i]
-        try:
-            if i in compiled:
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
-            stdout, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            timed_out.add(i)
-        if i in timed_out:
-            yield dict(cfg, status="timeout")
-            continue
-        logs[i].seek(0)
-        yield dict(_row(cfg, proc.returncode, stdout, logs[i].read()), jobs=jobs)
-        logs[i].close()
+    return _held.row_of(cfg, proc.returncode, proc.stdout, proc.stderr)
 
 
 def _ratio(row, base, key, fmt):
@@ -346,7 +290,9 @@ def main(argv):
             for method in ["non_dp"] + [m for m in config_methods or methods if m != "non_dp"]]
     held = JOBS.value > 1 and not target
     rows, base = [], None
-    rows_of = _held_rows(cfgs, JOBS.value, TIMEOUT.value, WAIT_FOR.value) if held else map(_spawn, cfgs)
+    held_command = lambda cfg: _command(cfg, hold=True)
+    rows_of = (_held.held_rows(cfgs, held_command, JOBS.value, TIMEOUT.value, WAIT_FOR.value) if held
+               else map(_spawn, cfgs))
     for cfg, row in zip(cfgs, rows_of):
         base = row if cfg["method"] == "non_dp" else base
         rows.append(row)

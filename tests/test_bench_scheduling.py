@@ -1,12 +1,12 @@
-"""bench_throughput --jobs: every configuration compiles first (at most `jobs` at once), then each is
-timed alone, in order, after the --wait_for file exists; a crash or a hang is its own row."""
+"""experiments/_held.py (bench_throughput --jobs): every configuration compiles first (at most `jobs` at
+once), then each is timed alone, in order, after the --wait_for file exists; a crash or a hang is its own row."""
 
 import json
 import sys
 import threading
 import time
 
-from experiments import bench_throughput
+from experiments import _held
 
 # A stand-in for one configuration's child: logs when it compiles and when it is timed.
 FAKE_CHILD = r"""
@@ -29,15 +29,14 @@ print(json.dumps(dict(cfg, status="ok")))
 """
 
 
-def test_held_rows_compile_first_then_time_each_alone(tmp_path, monkeypatch):
+def test_held_rows_compile_first_then_time_each_alone(tmp_path):
     log, ready = str(tmp_path / "log"), str(tmp_path / "checks.done")
-    monkeypatch.setattr(bench_throughput, "_command",
-                        lambda cfg, hold=False: ([sys.executable, "-c", FAKE_CHILD, json.dumps(cfg), log], None))
+    command = lambda cfg: ([sys.executable, "-c", FAKE_CHILD, json.dumps(cfg), log], None)
     methods = ["a", "b", "crash", "c", "hang", "d", "e"]
     # The GPU checks beside the compiles end after them (the hang is killed at 2.5 s).
     threading.Timer(4.0, lambda: open(ready, "w").close()).start()
     t0 = time.monotonic()
-    rows = list(bench_throughput._held_rows([dict(method=m) for m in methods], jobs=2, timeout=2.5, wait_for=ready))
+    rows = list(_held.held_rows([dict(method=m) for m in methods], command, jobs=2, timeout=2.5, wait_for=ready))
 
     assert [r["method"] for r in rows] == methods
     assert [r["status"] for r in rows] == ["ok", "ok", "OOM", "ok", "timeout", "ok", "ok"]
