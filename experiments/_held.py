@@ -41,10 +41,11 @@ def held_rows(cfgs: list[dict], command, jobs: int, timeout: float, wait_for: st
                                             text=True, env=env)
                 sel.register(procs[i].stdout, selectors.EVENT_READ, (i, time.monotonic()))
             for key, _ in sel.select(timeout=1.0) or []:
-                i, _ = key.data
-                sel.unregister(key.fileobj)
-                if key.fileobj.readline().strip() == "COMPILED":  # else it exited: its row says why
-                    compiled.add(i)
+                line = key.fileobj.readline()
+                if line.strip() == "COMPILED" or not line:  # compiled, or exited (its row will say why)
+                    sel.unregister(key.fileobj)
+                    if line:
+                        compiled.add(key.data[0])
             for key in list(sel.get_map().values()):  # compiles past the per-configuration timeout
                 i, started = key.data
                 if time.monotonic() - started > timeout:

@@ -18,6 +18,7 @@ def note(what):
 if cfg["method"] == "crash":
     sys.exit("RESOURCE_EXHAUSTED: out of memory while compiling")
 note("compile_start")
+print("a library's chatter on stdout", flush=True)
 time.sleep(60 if cfg["method"] == "hang" else 0.3)
 note("compile_end")
 print("COMPILED", flush=True)
