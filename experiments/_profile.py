@@ -39,7 +39,7 @@ def kernel_events(trace: dict) -> list[dict]:
     meta = lambda what: {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
                          if e.get("ph") == "M" and e.get("name") == what}
     gpu_pids = {pid for (pid, _), name in meta("process_name").items() if "gpu" in name.lower()}
-    streams = {key for key, name in meta("thread_name").items() if key[0] in gpu_pids and name.startswith("Stream")}
+    streams = {key for key, name in meta("thread_name").items() if key[0] in gpu_pids and "stream" in name.lower()}
     return [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
 
 
