@@ -26,6 +26,7 @@ KINDS = {  # kind -> name fragments (lower case), tried in this order
     "pallas": ("triton",),
     "memcpy": ("memcpy", "memset"),
 }
+ALL_KINDS = (*KINDS, "fusion")  # "fusion": whatever matches none of KINDS
 
 
 def kind_of(name: str) -> str:
@@ -61,7 +62,7 @@ def summarize_trace(trace: dict, steps: int, top: int = 8) -> dict:
         by_name[e["name"]] += e["dur"]
     per_step_ms = lambda us: round(us / 1e3 / steps, 3)
     return dict(busy_ms=per_step_ms(_union_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels])),
-                **{f"{kind}_ms": per_step_ms(by_kind[kind]) for kind in (*KINDS, "fusion")},
+                **{f"{kind}_ms": per_step_ms(by_kind[kind]) for kind in ALL_KINDS},
                 kernels=round(len(kernels) / steps, 1),
                 top=[(name[:80], per_step_ms(us)) for name, us in by_name.most_common(top)])
 

@@ -245,8 +245,7 @@ def _cells(row, base, predicted: bool) -> list[str]:
 
 def _print_profiles(rows: list[dict]) -> None:
     """Where each step's GPU time goes (ms per step, from the traced steps)."""
-    from experiments._profile import KINDS
-    kinds = (*KINDS, "fusion")
+    from experiments._profile import ALL_KINDS as kinds
     print("\n| model | B | T | method | GPU busy ms | " + " | ".join(f"{k} ms" for k in kinds) + " | kernels |")
     print("|---|---|---|---|---|" + "---|" * len(kinds) + "---|")
     for row in rows:
