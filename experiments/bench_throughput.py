@@ -25,9 +25,10 @@ back to back with one sync per repeat, as a training loop dispatches them.
 Peak memory: device.memory_stats()["peak_bytes_in_use"] where the backend
 reports it, else the compiled step's memory_analysis(). With
 `--target`, nothing runs: each row is the compiled step's bytes, its FLOPs,
-bytes and kernel launches read from the optimized HLO (`jaxdp.hlo_cost`) and
-their roofline time with the target's rates (`jaxdp.device_rates`), and the
-compile time on this machine.
+bytes and kernel launches read from the optimized HLO (`jaxdp.hlo_cost`),
+their roofline time with the target's rates (`jaxdp.device_rates`), the
+kernels ptxas gives 255 registers or register spills (memory-bound kernels
+that run below the roofline's rate) and the compile time on this machine.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import app, flags
@@ -150,6 +153,10 @@ def _step_fn(cfg: dict):
 def run_one(cfg: dict) -> dict:
     import jax
     import numpy as np
+    if cfg.get("target"):  # the step's PTX, for its kernels' registers (XLA reads the flag at its first compile)
+        ptx_dir = tempfile.mkdtemp(prefix="bench_ptx_")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_dump_to={ptx_dir} --xla_dump_hlo_module_re=jit_step")
     step, abstract_args, inputs = _step_fn(cfg)
     t0 = time.perf_counter()
     compiled = step.trace(*abstract_args).lower().compile()
@@ -164,8 +171,15 @@ def run_one(cfg: dict) -> dict:
     if cfg.get("target"):
         from jaxdp import device_rates, hlo_cost
         rates = device_rates.H100
-        return dict(row, **hlo_cost.summary(hlo_cost.step_cost(compiled), rates, cfg["dtype"]),
-                    peak_bytes=compiled_bytes, peak_source="memory_analysis")
+        cost = hlo_cost.step_cost(compiled)
+        try:
+            registers = hlo_cost.register_use(ptx_dir)
+        finally:
+            shutil.rmtree(ptx_dir, ignore_errors=True)
+        heavy = {name for name, (regs, spill) in registers.items() if regs >= 255 or spill}
+        return dict(row, **hlo_cost.summary(cost, rates, cfg["dtype"]), peak_bytes=compiled_bytes,
+                    peak_source="memory_analysis", heavy_kernels=len(heavy),
+                    heavy_gbytes=sum(k.bytes * k.count for k in cost.kernels if k.name in heavy) / 1e9)
     if not cfg["steps"]:  # compile time and memory analysis only
         return dict(row, peak_bytes=compiled_bytes, peak_source="memory_analysis")
     state, batch, key = inputs()
@@ -233,13 +247,15 @@ def _ratio(row, base, key, fmt):
 
 def _cells(row, base, predicted: bool) -> list[str]:
     if row["status"] != "ok":
-        return [row["status"]] * (9 if predicted else 7)
+        return [row["status"]] * (10 if predicted else 7)
     mem = _ratio(row, base, "peak_bytes", lambda b: f"{b / 2**20:,.0f}")
     comp = _ratio(row, base, "compile_s", lambda s: f"{s:.0f}")
     if predicted:  # time ratio: the non-DP roofline over this one's (a tokens/s ratio)
         ms = row["roofline_ms"]
         speed = f"{base['roofline_ms'] / ms:.2f}" if base and base.get("status") == "ok" else "-"
-        return [f"{ms:.1f}", speed, f"{row['gflop']:,.0f}", f"{row['gbytes']:.1f}", str(row["launches"])] + mem + comp
+        heavy = f"{row['heavy_kernels']} ({row['heavy_gbytes']:.1f} GB)"
+        return [f"{ms:.1f}", speed, f"{row['gflop']:,.0f}", f"{row['gbytes']:.1f}", str(row["launches"]), heavy] \
+            + mem + comp
     return _ratio(row, base, "tokens_per_s", lambda t: f"{t:,.0f}") + mem + comp + [row["peak_source"]]
 
 
@@ -277,8 +293,8 @@ def main(argv):
     print(f"{where}, jax {jax.__version__}, {datetime.date.today()}, {dtype}, attention {attention}\n")
     if target:
         print("| model | B | T | method | roofline ms | vs non-DP (speed) | GFLOP | GB moved | launches | "
-              "MiB | vs non-DP | compile s | vs non-DP |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "255-register or spilling kernels (their GB) | MiB | vs non-DP | compile s | vs non-DP |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     else:
         print("| model | B | T | method | tokens/s | vs non-DP | peak MiB | vs non-DP | compile s | vs non-DP | "
               "memory |")

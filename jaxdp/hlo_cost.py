@@ -268,6 +268,34 @@ def target_devices(target: str | None, count: int) -> list:
     return list(topology.devices)
 
 
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(\S+)'")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+
+
+def register_use(dump_dir: str, arch: str = "sm_90a") -> dict[str, tuple[int, int]]:
+    """{kernel: (registers per thread, spill bytes stored + loaded per thread)} of the PTX files XLA:GPU
+    wrote under `dump_dir` (`--xla_dump_to`), by `ptxas -v` (PTX kernels only: not cuBLAS, cuDNN or Triton
+    GEMM fusions). Names as in the optimized HLO (`fusion_12` -> `fusion.12`, as `step_cost` names them).
+    A memory-bound kernel at 255 registers, or spilling, moves its bytes well below the roofline's rate."""
+    import subprocess
+    use: dict[str, tuple[int, int]] = {}
+    for ptx in sorted(pathlib.Path(dump_dir).glob("*.ptx")):
+        if ".entry" not in ptx.read_text():  # XLA writes empty PTX files for some partitions
+            continue
+        out = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(ptx), "-o", "/dev/null"], capture_output=True,
+                             text=True, check=True)
+        kernel, spill = None, 0
+        for line in (out.stdout + out.stderr).splitlines():
+            if m := _PTXAS_ENTRY.search(line):
+                kernel, spill = re.sub(r"_(\d+)$", r".\1", m.group(1)), 0
+            elif kernel and (m := _PTXAS_SPILL.search(line)):
+                spill = int(m.group(1)) + int(m.group(2))
+            elif kernel and (m := _PTXAS_REGISTERS.search(line)):
+                use[kernel] = (int(m.group(1)), spill)
+    return use
+
+
 def roofline_seconds(cost: StepCost, rates: DeviceRates, dtype="bfloat16") -> float:
     """sum over kernels of max(flops / matmul rate, bytes / bandwidth), times their executions."""
     R = rates.matmul_rate(dtype)

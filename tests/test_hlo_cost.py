@@ -1,5 +1,6 @@
 """jaxdp.hlo_cost: FLOPs, bytes and kernel launches of a compiled program from its optimized HLO."""
 
+import os
 import pathlib
 
 import jax
@@ -103,3 +104,30 @@ def test_a_scatter_add_costs_its_rows():
 def test_gpu_target_needs_the_plugin_or_names_the_target():
     with pytest.raises(ValueError, match="target must be one of"):
         hlo_cost.target_devices("tpu", 1)
+
+
+_PTXAS_V = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'loop_add_fusion_30' for 'sm_90a'
+ptxas info    : Function properties for loop_add_fusion_30
+    3652 bytes stack frame, 3652 bytes spill stores, 3504 bytes spill loads
+ptxas info    : Used 255 registers, used 0 barriers, 3652 bytes cumulative stack size
+ptxas info    : Compiling entry function 'fusion_7' for 'sm_90a'
+ptxas info    : Function properties for fusion_7
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers
+"""
+
+
+def test_register_use_reads_ptxas_per_kernel(tmp_path, monkeypatch):
+    """`register_use` runs ptxas -v on each dumped PTX with kernels (a fake ptxas here: CI has none) and names
+    the kernels as the optimized HLO does; an empty PTX file (XLA writes some) is skipped, not an error."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ptxas").write_text(f"#!/bin/sh\ncat >&2 <<'END'\n{_PTXAS_V}END\n")
+    (bin_dir / "ptxas").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "module_0001.jit_step.3.ptx").write_text(".version 8.0\n.visible .entry loop_add_fusion_30(\n")
+    (dump / "module_0001.jit_step.4.ptx").write_text("")
+    assert hlo_cost.register_use(str(dump)) == {"loop_add_fusion.30": (255, 3652 + 3504), "fusion.7": (40, 0)}
