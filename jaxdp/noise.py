@@ -89,7 +89,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from jaxdp import chacha
-from jaxdp.clipping import SENSITIVITY_FACTOR
+from jaxdp.clipping import SENSITIVITY_FACTOR, rows_apart
 
 # Domains of the job's randomness (`derive_seed(root, DOMAIN, ...)`).
 NOISE = "noise"
@@ -292,8 +292,8 @@ def gaussians(leaf_keys, leaves, std: float, shards=None, secure: bool = False) 
             index = [shards[i] for i in members]
             keys = jax.vmap(jax.random.fold_in)(keys, jnp.stack(index))
         draws = std * jax.vmap(lambda k: jax.random.normal(k, shape, dtype))(keys)
-        for j, i in enumerate(members):
-            out[i] = draws[j]
+        for i, draw in zip(members, rows_apart(draws)):  # each leaf's update its own kernel
+            out[i] = draw
     return out
 
 

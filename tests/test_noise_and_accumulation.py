@@ -132,6 +132,30 @@ def test_accumulation_adds_noise_once():
     assert abs(float(jnp.std(noise)) / (SIGMA * C) - 1) < 0.03  # not sqrt(k) sigma C
 
 
+def test_each_leaf_reads_its_own_row_of_its_group_draw():
+    """Leaves of one shape draw in one vmapped call, and each gets its row through
+    `jaxdp.clipping.rows_apart` (a barrier per row: XLA:GPU would otherwise merge all their updates into
+    one kernel): the rows are the draw's, in order, eager and jitted; groups of other shapes draw apart."""
+    keys = list(jax.random.split(fresh_key(), 4))
+    leaves = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((16, 8), (8,), (16, 8), (16, 8))]
+    std = 0.7
+    square = std * jax.vmap(lambda k: jax.random.normal(k, (16, 8)))(jnp.stack([keys[0], keys[2], keys[3]]))
+    want = [square[0], std * jax.random.normal(keys[1], (8,)), square[1], square[2]]
+    eager = jaxdp.noise.gaussians(keys, leaves, std)
+    jitted = jax.jit(lambda k: jaxdp.noise.gaussians(k, leaves, std))(keys)
+    ulps = 4 * float(jnp.finfo(jnp.float32).eps)  # XLA may fuse the scaling into the transform differently
+    for got in (eager, jitted):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=ulps, atol=ulps)
+    assert not np.array_equal(got[0], want[2])  # rows that differ: a swapped row would be caught
+
+    stacked = jax.random.normal(fresh_key(), (5, 3, 2))
+    rows = jax.jit(jaxdp.clipping.rows_apart)(stacked)
+    assert [r.shape for r in rows] == [(3, 2)] * 5
+    for j, r in enumerate(rows):
+        np.testing.assert_array_equal(r, stacked[j])
+
+
 def test_default_noise_key_is_secret():
     """Without a key, fused_clip draws one from the OS: two transforms add different noise, and the
     key of issue 1/6's replay (jax.random.key(0 + 1), the old default seed's) is not the one used."""
