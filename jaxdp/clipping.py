@@ -145,8 +145,8 @@ def rows_apart(stacked: jax.Array) -> list[jax.Array]:
     For the rows of one array that many parameters' updates read (a group's noise draw, the clip factors):
     read as slices of one array, XLA:GPU's sibling multi-output fusion merges all those updates into one
     kernel. Compiled for an H100 (GPT-2 medium, B 16), eight such kernels each held 12 layers' clipped sums
-    over B, noise and Adam: 255 registers, ~3.5 KB of register spills per thread, 20 GB of the step's
-    memory traffic, and most of the DP step's code generation time. The traced index keeps every row's
+    over B, noise and Adam: 255 registers, ~3.5 KB of register spills per thread, 19 GB of the step's
+    memory traffic (and at GPT-2 small, B 4, ~half of the DP step's PTX). The traced index keeps every row's
     kernel the same program, compiled once per shape (a constant index would make each row's its own)."""
     rows = []
     for j in range(stacked.shape[0]):

@@ -265,7 +265,7 @@ def _materialized_sums(dense: dict, groups, factors: dict) -> dict:
     """{parameter index: sum_b c_b G_b} of the materialised gradients (dropped examples: exact zeros)."""
     blocks, large = _small_blocks(dense, groups)
     own_factors = clipping_lib.rows_apart(jnp.stack([factors[groups[i]] for i in large])) if large else []
-    sums = {i: clipping_lib.materialized_clipped_sum(dense[i], c_B.astype(factors[groups[i]].dtype))  # unpromoted
+    sums = {i: clipping_lib.materialized_clipped_sum(dense[i], c_B.astype(factors[groups[i]].dtype))  # stack may promote
             for i, c_B in zip(large, own_factors)}
     for block in blocks:
         c_BG = jnp.stack([factors[g] for g in block.keys], axis=1)
