@@ -120,6 +120,39 @@ def test_secure_noise_comes_from_chacha_alone():
         assert ("rng_bit_generator" in text and "threefry2x32" in text) != secure, secure
 
 
+def test_each_leaf_reads_its_own_span_of_the_stream():
+    """`gaussians(secure=True)`: leaf i of a group is sum_d normal(words of draw d at [lo_i, hi_i)) * std / 2,
+    draw d being word arrays 4d .. 4d+3 of the group's ChaCha20 stream end to end, lo_i the sizes of the
+    leaves before it; the stream rebuilt from NumPy's ChaCha20, jitted as a step is. Fresh key and shapes
+    with leaves that cross a word array's end. A reference reading one word later (the planted error) or
+    two leaves sharing a span (noise an attacker could cancel) differ from it."""
+    rng = np.random.default_rng()
+    shapes = [(int(rng.integers(3, 40)),), (int(rng.integers(2, 6)), int(rng.integers(3, 20))),
+              (int(rng.integers(1, 30)),), (5, 7)]
+    leaves = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    key, std = noise.secret_key(), float(rng.uniform(0.5, 3.0))
+    got = jax.jit(lambda k: noise.gaussians([k] * len(leaves), leaves, std, secure=True))(key)
+
+    sizes = [int(np.prod(s)) for s in shapes]
+    n = -(-sum(sizes) * noise.SECURE_DRAWS // chacha.WORDS_PER_BLOCK)
+    words = chacha.block_words(np.asarray(jax.random.key_data(key)), np.zeros(3, np.uint32), n)  # nonce (0, 0, 0)
+    streams = [np.concatenate(words[4 * d:4 * d + 4]) for d in range(noise.SECURE_DRAWS)]
+
+    def expected(shift):
+        out, lo = [], 0
+        for shape, size in zip(shapes, sizes):
+            bits = np.stack([np.roll(stream, -shift)[lo:lo + size] for stream in streams]).reshape((-1,) + shape)
+            out.append(np.asarray((noise.normal_from_bits(jnp.asarray(bits), jnp.float32) * std).sum(0) / 2))
+            lo += size
+        return out
+
+    assert any(lo % n + size > n for lo, size in zip(np.cumsum([0] + sizes), sizes)), "no leaf crosses an array end"
+    for g, e in zip(got, expected(0)):
+        np.testing.assert_allclose(g, e, rtol=4 * np.finfo(np.float32).eps, atol=4 * np.finfo(np.float32).eps * std)
+    assert not any(np.allclose(g, e) for g, e in zip(got, expected(1)))
+    assert not np.allclose(got[3].ravel()[:10], got[0].ravel()[:10])
+
+
 def test_triton_kernel_is_the_block_function():
     """The GPU path (`jaxdp.pallas.chacha_words`, one Triton kernel) gives `jaxdp.chacha`'s words: equal in
     the Pallas interpreter over a partial last program (3,000 blocks of 1,024 per program), 128- and
