@@ -33,6 +33,7 @@ that run below the roofline's rate) and the compile time on this machine.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -51,11 +52,12 @@ METHODS = ("non_dp", "explicit", "two_pass", "ghost", "store", "auto", "per_laye
            "pallas_per_layer")
 PROFILED_STEPS = 3
 SECURE = "auto_secure"  # auto with fused_clip(secure_noise=True); on request (--methods), not in the default grid
+MERGED = "auto_merged"  # auto as before 3d602f0 (no jaxdp.clipping.rows_apart): its A/B on the same GPU, on request
 CONFIGS = flags.DEFINE_list("configs", ["small:4:1024", "small:16:1024", "small:1:16384"],
                             "model:micro_batch:seq_len of GPT-2 presets, optionally :method+method+... "
                             "(that configuration's methods instead of --methods)")
 METHODS_FLAG = flags.DEFINE_list("methods", list(METHODS),
-                                 f"methods to run (non_dp is always added; also {SECURE})")
+                                 f"methods to run (non_dp is always added; also {SECURE}, {MERGED})")
 DTYPE = flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
 ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "xla", "cudnn"], "attention implementation")
 STEPS = flags.DEFINE_integer("steps", 10, "steps per timed repeat, dispatched back to back; 0: compile and "
@@ -74,6 +76,21 @@ WAIT_FOR = flags.DEFINE_string("wait_for", None, "with --jobs > 1: before timing
 PROFILE_DIR = flags.DEFINE_string("profile_dir", None, "also trace 3 steps per configuration (jax.profiler) under "
                                    "this folder and print where the GPU time goes (experiments/_profile.py)")
 HOLD = flags.DEFINE_boolean("hold", False, "internal: after compiling, print COMPILED and wait for a line on stdin")
+
+
+@contextlib.contextmanager
+def _rows_merged():
+    """While tracing: rows of the noise draws and clip factors as plain slices, no barrier each (`auto_merged`):
+    XLA:GPU may then merge the updates of all leaves that read one array into one kernel, as before 3d602f0."""
+    from unittest import mock
+
+    import jaxdp
+
+    def rows(stacked):
+        return [stacked[j] for j in range(stacked.shape[0])]
+
+    with mock.patch.object(jaxdp.clipping, "rows_apart", rows), mock.patch.object(jaxdp.noise, "rows_apart", rows):
+        yield
 
 
 def _step_fn(cfg: dict):
@@ -102,7 +119,7 @@ def _step_fn(cfg: dict):
     else:
         clipping = "per_layer" if method in ("per_layer", "pallas_per_layer") else "flat"
         strategy = {"explicit": "auto", "ghost": "ghost", "store": "store", "auto": "auto", SECURE: "auto",
-                    "per_layer": "auto"}.get(method, "pallas")
+                    MERGED: "auto", "per_layer": "auto"}.get(method, "pallas")
         tx = optax.chain(jaxdp.fused_clip(C, sigma, expected_batch_size=expected_B, clipping=clipping,
                                           strategy=strategy, secure_noise=method == SECURE), optax.adam(1e-4))
 
@@ -129,9 +146,10 @@ def _step_fn(cfg: dict):
 
     @jax.jit
     def step(state, batch, key):
-        model, optimizer = nnx.merge(graphdef, state)
-        optimizer.update(model, grads_of(model, batch, key))
-        return nnx.state((model, optimizer))
+        with _rows_merged() if method == MERGED else contextlib.nullcontext():
+            model, optimizer = nnx.merge(graphdef, state)
+            optimizer.update(model, grads_of(model, batch, key))
+            return nnx.state((model, optimizer))
 
     def inputs():
         """The step's real arguments, built after compiling (a held process keeps no state on the device)."""
@@ -285,9 +303,9 @@ def main(argv):
     target = TARGET.value
     attention = "cudnn" if target and ATTENTION.value == "auto" else ATTENTION.value
     methods = ["non_dp"] + [m for m in METHODS_FLAG.value if m != "non_dp"]
-    unknown = sorted(set(methods).union(*(c[3] or () for c in configs)) - set(METHODS) - {SECURE})
+    unknown = sorted(set(methods).union(*(c[3] or () for c in configs)) - set(METHODS) - {SECURE, MERGED})
     if unknown:
-        raise app.UsageError(f"--methods: unknown {unknown}; allowed: {', '.join(METHODS + (SECURE,))}")
+        raise app.UsageError(f"--methods: unknown {unknown}; allowed: {', '.join(METHODS + (SECURE, MERGED))}")
     where = f"predicted for {target} (XLA:GPU deviceless compile on {jax.devices()[0].device_kind})" if target else \
         f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})"
     print(f"{where}, jax {jax.__version__}, {datetime.date.today()}, {dtype}, attention {attention}\n")

@@ -155,6 +155,15 @@ def test_each_leaf_reads_its_own_row_of_its_group_draw():
     for j, r in enumerate(rows):
         np.testing.assert_array_equal(r, stacked[j])
 
+    # bench_throughput's `auto_merged` (its GPU A/B): the same values, without the barriers
+    from experiments.bench_throughput import _rows_merged
+    program = lambda: str(jax.make_jaxpr(lambda k: jaxdp.noise.gaussians(k, leaves, std))(keys))
+    with _rows_merged():
+        merged, merged_program = jax.jit(lambda k: jaxdp.noise.gaussians(k, leaves, std))(keys), program()
+    for g, w in zip(merged, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=ulps, atol=ulps)
+    assert "optimization_barrier" not in merged_program and "optimization_barrier" in program()
+
 
 def test_default_noise_key_is_secret():
     """Without a key, fused_clip draws one from the OS: two transforms add different noise, and the
