@@ -81,7 +81,8 @@ HOLD = flags.DEFINE_boolean("hold", False, "internal: after compiling, print COM
 @contextlib.contextmanager
 def _rows_merged():
     """While tracing: rows of the noise draws and clip factors as plain slices, no barrier each (`auto_merged`):
-    XLA:GPU may then merge the updates of all leaves that read one array into one kernel, as before 3d602f0."""
+    XLA:GPU may then merge the updates of all leaves that read one array into one kernel, as before 3d602f0.
+    Trace only a fresh jitted function inside it: jit keeps a program traced here for later calls."""
     from unittest import mock
 
     import jaxdp

@@ -100,6 +100,7 @@ UNIT_WINDOWS = "unit_windows"  # which windows of each sampled document / user a
 
 _SEED_BITS = 128
 SECURE_DRAWS = 4  # normals summed per coordinate under secure=True (their sum / sqrt(4) is N(0, 1))
+_MAX_TRACED_START = 2**31 - 1  # secure=True: a leaf's words are read at traced int32 starts up to this
 SNAP_BITS = 8     # secure=True rounds the released sum to a grid of std / 2^8 .. std / 2^9
 _RATCHET = (0xFFFFFFFF,) * 3  # the ChaCha20 nonce that turns a state key into (next key, step key)
 
@@ -329,14 +330,25 @@ def _secure_gaussians(leaf_keys, leaves, std: float, shards) -> list[jax.Array]:
             # this leaf's words: (word array w, start, length) per piece, the same for every draw d
             spans = [(w, max(lo, w * n) - w * n, min(hi, (w + 1) * n) - max(lo, w * n))
                      for w in range(per) if max(lo, w * n) < min(hi, (w + 1) * n)]
+            if sum(length for *_, length in spans) != hi - lo or any(a < 0 or a + length > n for _, a, length in spans):
+                raise RuntimeError(f"secure noise: leaf {i}'s words {spans} are not [{lo}, {hi}) of {per} arrays of "
+                                   f"{n}")  # a dynamic slice would clamp silently: overlapping noise
             # Read through a barrier of the leaf's own, at traced starts (`clipping.rows_apart`'s reasons): read
             # as slices of XLA's words, 12 layers' updates became one kernel each (GPT-2 medium, B 16, for an
-            # H100: 255 registers, ~1.5 KB of spills); with the Triton words, the tied embedding's spilled 8 bytes.
-            view, starts = jax.lax.optimization_barrier((words, jnp.asarray([a for _, a, _ in spans], jnp.int32)))
+            # H100: 255 registers, ~1.5 KB of spills); with the Triton words, the tied embedding's spilled 8
+            # bytes. Starts past int32 (over 2^33 values in the group) read by static slices.
+            traced = n <= _MAX_TRACED_START
+            if traced:
+                view, starts = jax.lax.optimization_barrier((words, jnp.asarray([a for _, a, _ in spans], jnp.int32)))
+
+            def piece(d, k):
+                w, a, length = spans[k]
+                if traced:
+                    return jax.lax.dynamic_slice_in_dim(view[per * d + w], starts[k], length)
+                return words[per * d + w][a:a + length]
 
             def draw(d):
-                pieces = [jax.lax.dynamic_slice_in_dim(view[per * d + w], starts[k], length)
-                          for k, (w, _, length) in enumerate(spans)]
+                pieces = [piece(d, k) for k in range(len(spans))]
                 if not pieces:  # a zero-size leaf (attacker review 17)
                     return jnp.zeros((0,), jnp.uint32)
                 return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)

@@ -147,10 +147,15 @@ def test_each_leaf_reads_its_own_span_of_the_stream():
         return out
 
     assert any(lo % n + size > n for lo, size in zip(np.cumsum([0] + sizes), sizes)), "no leaf crosses an array end"
-    for g, e in zip(got, expected(0)):
-        np.testing.assert_allclose(g, e, rtol=4 * np.finfo(np.float32).eps, atol=4 * np.finfo(np.float32).eps * std)
+    with pytest.MonkeyPatch.context() as patch:  # a group too long for int32 starts reads by static slices
+        patch.setattr(noise, "_MAX_TRACED_START", n - 1)
+        static = jax.jit(lambda k: noise.gaussians([k] * len(leaves), leaves, std, secure=True))(key)
+    ulps = 4 * np.finfo(np.float32).eps
+    for g, s, e in zip(got, static, expected(0)):
+        np.testing.assert_allclose(g, e, rtol=ulps, atol=ulps * std)
+        np.testing.assert_allclose(s, e, rtol=ulps, atol=ulps * std)
     assert not any(np.allclose(g, e) for g, e in zip(got, expected(1)))
-    assert not np.allclose(got[3].ravel()[:10], got[0].ravel()[:10])
+    assert not np.allclose(got[3].ravel()[:3], got[0].ravel()[:3])
 
 
 def test_triton_kernel_is_the_block_function():
