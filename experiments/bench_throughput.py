@@ -46,6 +46,7 @@ import time
 from absl import app, flags
 
 from experiments import _held
+from experiments._rows_merged import rows_merged
 from experiments._results import write_results
 
 METHODS = ("non_dp", "explicit", "two_pass", "ghost", "store", "auto", "per_layer", "pallas_flat",
@@ -76,22 +77,6 @@ WAIT_FOR = flags.DEFINE_string("wait_for", None, "with --jobs > 1: before timing
 PROFILE_DIR = flags.DEFINE_string("profile_dir", None, "also trace 3 steps per configuration (jax.profiler) under "
                                    "this folder and print where the GPU time goes (experiments/_profile.py)")
 HOLD = flags.DEFINE_boolean("hold", False, "internal: after compiling, print COMPILED and wait for a line on stdin")
-
-
-@contextlib.contextmanager
-def _rows_merged():
-    """While tracing: rows of the noise draws and clip factors as plain slices, no barrier each (`auto_merged`):
-    XLA:GPU may then merge the updates of all leaves that read one array into one kernel, as before 3d602f0.
-    Trace only a fresh jitted function inside it: jit keeps a program traced here for later calls."""
-    from unittest import mock
-
-    import jaxdp
-
-    def rows(stacked):
-        return [stacked[j] for j in range(stacked.shape[0])]
-
-    with mock.patch.object(jaxdp.clipping, "rows_apart", rows), mock.patch.object(jaxdp.noise, "rows_apart", rows):
-        yield
 
 
 def _step_fn(cfg: dict):
@@ -147,7 +132,7 @@ def _step_fn(cfg: dict):
 
     @jax.jit
     def step(state, batch, key):
-        with _rows_merged() if method == MERGED else contextlib.nullcontext():
+        with rows_merged() if method == MERGED else contextlib.nullcontext():
             model, optimizer = nnx.merge(graphdef, state)
             optimizer.update(model, grads_of(model, batch, key))
             return nnx.state((model, optimizer))

@@ -156,9 +156,9 @@ def test_each_leaf_reads_its_own_row_of_its_group_draw():
         np.testing.assert_array_equal(r, stacked[j])
 
     # bench_throughput's `auto_merged` (its GPU A/B): the same values, without the barriers
-    from experiments.bench_throughput import _rows_merged
+    from experiments._rows_merged import rows_merged
     program = lambda: str(jax.make_jaxpr(lambda k: jaxdp.noise.gaussians(k, leaves, std))(keys))
-    with _rows_merged():
+    with rows_merged():
         merged, merged_program = jax.jit(lambda k: jaxdp.noise.gaussians(k, leaves, std))(keys), program()
     for g, w in zip(merged, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=ulps, atol=ulps)

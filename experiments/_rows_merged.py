@@ -1,0 +1,22 @@
+"""`bench_throughput`'s `auto_merged`: auto as before 3d602f0, for `jaxdp.clipping.rows_apart`'s A/B on a GPU.
+
+Apart from bench_throughput so that a test can import it without that main's absl flags."""
+
+import contextlib
+
+
+@contextlib.contextmanager
+def rows_merged():
+    """While tracing: rows of the noise draws and clip factors as plain slices, no barrier each.
+
+    XLA:GPU may then merge the updates of all leaves that read one array into one kernel, as before 3d602f0.
+    Trace only a fresh jitted function inside it: jit keeps a program traced here for later calls."""
+    from unittest import mock
+
+    import jaxdp
+
+    def rows(stacked):
+        return [stacked[j] for j in range(stacked.shape[0])]
+
+    with mock.patch.object(jaxdp.clipping, "rows_apart", rows), mock.patch.object(jaxdp.noise, "rows_apart", rows):
+        yield
