@@ -79,3 +79,23 @@ def first_updates_fn(loss_fn, txs, **grads_kwargs):
         return [tx.update(grads, tx.init(params), params)[0] for tx in txs]
 
     return all_updates
+
+
+def assert_json_close(actual, expected, *, rtol, atol=0.0, where="$"):
+    """Two JSON values (dicts, lists, numbers, strings, bools, None) equal, floats within rtol / atol.
+
+    Keys, lengths, types, strings, bools and None compare exactly; only floats compare with a tolerance.
+    (pytest.approx compares flat numeric containers only: from pytest 9 it raises on a None or a string.)
+    """
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), (where, actual, expected)
+        for k in expected:
+            assert_json_close(actual[k], expected[k], rtol=rtol, atol=atol, where=f"{where}.{k}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), (where, actual, expected)
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_json_close(a, e, rtol=rtol, atol=atol, where=f"{where}[{i}]")
+    elif isinstance(expected, float) and isinstance(actual, (int, float)) and not isinstance(actual, bool):
+        assert np.isclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True), (where, actual, expected)
+    else:
+        assert type(actual) is type(expected) and actual == expected, (where, actual, expected)
