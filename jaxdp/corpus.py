@@ -1,4 +1,4 @@
-"""Corpora as documents and unit ids: the bundled corpus, a .txt file, a directory of them, jsonl.
+"""Corpora as documents and unit ids: the bundled corpus, a .txt file, a directory of text files, jsonl.
 
 Everything here runs on the host; nothing needs a network. With no path,
 `load_corpus` returns the bundled corpus: the US State of the Union addresses
@@ -32,9 +32,11 @@ def load_corpus(path: str | os.PathLike | None = None, *,
 
     Args:
       path: None for the bundled State of the Union corpus; a `.txt` file
-        (split into sections at blank lines, `split_text_file`); a directory (every `*.txt` below it, recursively, one
-        document each, sorted by relative path); or a `.jsonl` / `.jsonl.gz`
-        file (one JSON object per line with a string field `text`).
+        (split into sections at blank lines, `split_text_file`); a directory (every file below it, recursively,
+        named `*.txt` or without a suffix, one document each, sorted by relative path: see `read_directory`);
+        or a `.jsonl` / `.jsonl.gz` file (one JSON object per line with a string field `text`).
+        Nothing is skipped silently: files a directory does not read, and jsonl records or files without
+        text, are counted by reason in one `UserWarning`.
       id_field: a jsonl field (string or integer) naming each document's unit,
         e.g. "user_id" or "doc_id"; documents with equal ids after
         `canonical_id` (7, "7", " 7", and "José" in either Unicode form, "ANN"
@@ -69,24 +71,79 @@ def load_corpus(path: str | os.PathLike | None = None, *,
         raise ValueError(f"id_field={id_field!r} needs a .jsonl / .jsonl.gz corpus (one object per line "
                          f"with 'text' and {id_field!r}); {p} is not one")
     if p.is_dir():
-        files = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix.lower() == ".txt"),
-                       key=lambda f: f.relative_to(p).as_posix())
-        if not files:
-            raise ValueError(f"no .txt files under corpus directory {p}")
-        docs = [_read_text(f) for f in files]
+        docs = read_directory(p)
     elif is_jsonl:
         with (gzip.open(p, "rb") if p.name.endswith(".gz") else open(p, "rb")) as f:
             docs, ids = _read_jsonl(f, str(p), id_field)
     elif is_single_text_file(p):
         docs = split_text_file(_read_text(p))
     else:
-        raise ValueError(f"unsupported corpus path {p}: expected a .txt file, a directory "
-                         "of .txt files, or a .jsonl / .jsonl.gz file")
+        raise ValueError(f"unsupported corpus path {p}: expected a .txt file, a directory of text files "
+                         "(*.txt or without a suffix), or a .jsonl / .jsonl.gz file")
     if not is_jsonl:
         docs, ids = [d for d in docs if d.strip()], None
     if not docs:
         raise ValueError(f"corpus {p} contains no text")
     return docs, ids
+
+
+DIRECTORY_SUFFIXES = (".txt", "")  # what a corpus directory reads as text: `*.txt` and files without a suffix
+
+
+def read_directory(directory: pathlib.Path) -> list[str]:
+    """The non-empty documents of a corpus directory: every regular file below it (recursively, sorted by
+    relative path) named `*.txt` (any case) or without a suffix, each one document.
+
+    Not read, and counted by reason in one `UserWarning` (with how to include them): hidden files and
+    folders (a name starting with "."), files with another suffix, files without a suffix that are not
+    UTF-8 text, and empty or whitespace-only files.
+
+    Raises:
+      ValueError: a `.txt` file that is not UTF-8, or no document at all (the message counts what was seen).
+    """
+    read, docs, skipped = {}, [], {}
+    for f in sorted(directory.rglob("*"), key=lambda f: f.relative_to(directory).as_posix()):
+        if not f.is_file():
+            continue
+        parts = f.relative_to(directory).parts
+        suffix = f.suffix.lower()
+        if any(part.startswith(".") for part in parts):
+            reason = "hidden (a name starting with '.')"
+        elif suffix not in DIRECTORY_SUFFIXES:
+            reason = f"with suffix {suffix}"
+        elif suffix == "" and not _is_utf8(f):
+            reason = "without a suffix and not UTF-8 text"
+        else:
+            text = _read_text(f)
+            if not text.strip():
+                reason = "empty or whitespace only"
+            else:
+                docs.append(text)
+                kind = suffix or "without a suffix"
+                read[kind] = read.get(kind, 0) + 1
+                continue
+        skipped[reason] = skipped.get(reason, 0) + 1
+    seen = f"read {_counts(read) or 'no file'}; skipped {_counts(skipped) or 'none'}"
+    if not docs:
+        raise ValueError(f"corpus directory {directory} holds no text file ({seen}): a directory reads every "
+                         "*.txt file and every file without a suffix below it")
+    if skipped:
+        warnings.warn(f"corpus directory {directory}: {seen}. A directory reads *.txt and files without a "
+                      "suffix: rename a file to .txt to include it, or give a .jsonl", stacklevel=3)
+    return docs
+
+
+def _counts(counts: dict[str, int]) -> str:
+    """'3 .txt, 1 without a suffix' (largest first)."""
+    return ", ".join(f"{n} {what}" for what, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _is_utf8(path: pathlib.Path) -> bool:
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def is_single_text_file(path) -> bool:
@@ -154,7 +211,7 @@ _PERSON_FIELD = re.compile(r"(^|[^a-z])(user|author|patient|person|customer|clie
 
 def _read_jsonl(f, where: str, id_field: str | None = None, *,
                 hint_id_fields: bool = True) -> tuple[list[str], list[str] | None]:
-    docs, ids, spellings, fields = [], [], {}, set()
+    docs, ids, spellings, fields, empty = [], [], {}, set(), []
     for lineno, raw in enumerate(f, start=1):
         try:
             line = raw.decode("utf-8")
@@ -185,8 +242,15 @@ def _read_jsonl(f, where: str, id_field: str | None = None, *,
             docs.append(obj["text"])
             if id_field is not None:
                 ids.append(json.dumps(unit))
+        else:
+            empty.append(lineno)
     if not docs:
-        raise ValueError(f"corpus {where} contains no text")
+        raise ValueError(f"corpus {where} contains no text ({len(empty)} record(s), each with an empty or "
+                         "whitespace-only 'text')")
+    if empty:
+        lines = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
+        warnings.warn(f"{where}: read {len(docs)} record(s); skipped {len(empty)} whose 'text' is empty or "
+                      f"whitespace only (line {lines})", stacklevel=3)
     person_fields = sorted(k for k in fields if _PERSON_FIELD.search(k))
     if id_field is None and person_fields and hint_id_fields:
         warnings.warn(f"{where}: records carry {', '.join(map(repr, person_fields[:3]))}, but no id field is set, "

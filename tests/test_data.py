@@ -75,7 +75,38 @@ def test_load_directory_recursive_sorted(tmp_path):
     (tmp_path / "c" / "a.TXT").write_text("third")
     (tmp_path / "c" / "b.txt").write_text("  \n")  # whitespace only: dropped
     (tmp_path / "notes.md").write_text("not a document")
-    assert data.load_documents(str(tmp_path)) == ["first", "second", "third"]
+    with pytest.warns(UserWarning, match=r"read 3 \.txt; skipped 1 empty or whitespace only, 1 with suffix \.md"):
+        assert data.load_documents(str(tmp_path)) == ["first", "second", "third"]
+
+
+def test_a_directory_of_files_without_a_suffix_is_read_and_every_skip_is_counted(tmp_path):
+    """The Brown corpus's shape: hundreds of extensionless text files beside one .txt. Each is a document;
+    what is not read (hidden, another suffix, binary without a suffix) is counted by reason, never silent."""
+    rng = np.random.default_rng()
+    names = sorted({f"c{chr(97 + int(i) % 26)}{int(i):02d}" for i in rng.integers(0, 99, 40)})
+    for name in names:
+        (tmp_path / name).write_text(f"text of {name}\n")
+    (tmp_path / "cats.txt").write_text("categories\n")
+    (tmp_path / ".DS_Store").write_bytes(b"\x00\x01binary")
+    (tmp_path / "core").write_bytes(b"\xff\xfe\x00 not text")
+    (tmp_path / "index.json").write_text("{}")
+    with pytest.warns(UserWarning) as caught:
+        docs = data.load_documents(tmp_path)
+    assert sorted(docs) == sorted([f"text of {n}\n" for n in names] + ["categories\n"])
+    (message,) = [str(w.message) for w in caught]
+    assert (f"read {len(names)} without a suffix, 1 .txt; skipped 1 hidden (a name starting with '.'), "
+            "1 with suffix .json, 1 without a suffix and not UTF-8 text") in message, message
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "x.pdf").write_bytes(b"%PDF")
+    with pytest.raises(ValueError, match=r"holds no text file \(read no file; skipped 1 with suffix \.pdf\)"):
+        data.load_documents(tmp_path / "only")
+
+
+def test_a_jsonl_record_without_text_is_counted_not_silently_dropped(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}) for t in ["a", " ", "b", "", "c"]) + "\n")
+    with pytest.warns(UserWarning, match=r"read 3 record\(s\); skipped 2 whose 'text' is empty .* \(line 2, 4\)"):
+        assert data.load_documents(path) == ["a", "b", "c"]
 
 
 @pytest.mark.parametrize("gz", [False, True])

@@ -9,6 +9,7 @@ value of the wrong type, or an unknown flag into one line on stderr,
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Callable
 
 from absl import app
@@ -95,10 +96,17 @@ def _config_file_error(error: BaseException) -> str:
     return f"error: the --config file could not be loaded: {type(error).__name__}: " + " ".join(text.split())
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library warning as the jobs print it: `warning: ...`, one line, no source location."""
+    print("warning: " + " ".join(str(message).split()), file=file or sys.stderr, flush=True)
+
+
 def run(main: Callable[[list[str]], int | None]) -> None:
     """`app.run(main, flags_parser=parse_flags)`; main's return value is the exit status. A --config file
-    that does not load (missing, or raising on import) is one `error: ...` line and status 2 too."""
+    that does not load (missing, or raising on import) is one `error: ...` line and status 2 too; a library
+    warning (e.g. files a corpus directory did not read) is one `warning: ...` line."""
     def checked(argv):
+        warnings.showwarning = _one_line_warning
         try:
             return main(argv)
         except OSError as e:
