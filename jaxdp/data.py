@@ -208,6 +208,11 @@ class TokenWindows:
     def __len__(self) -> int:
         return self.num_windows
 
+    @property
+    def cache_files(self) -> tuple[pathlib.Path, pathlib.Path]:
+        """The two cache files this split's tokens live in: the token stream and its document offsets."""
+        return self.cache_path, _offsets_path(self.cache_path)
+
     def content_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The token stream and each window's start and length: equal arrays, equal windows."""
         return self.tokens, self._starts, self._lengths

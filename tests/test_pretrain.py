@@ -342,11 +342,68 @@ def test_interrupt_and_resume_equals_uninterrupted(corpus, tmp_path, dp, accumul
 
 
 def test_rerunning_a_finished_run_changes_nothing(reference_run, corpus):
+    """Every file of the run directory keeps its bytes and its modification time; the summary is the run's."""
     workdir, summary = reference_run
-    before = (workdir / "metrics.jsonl").read_bytes()
+    files = lambda: {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in sorted(workdir.rglob("*")) if f.is_file()}
+    before = files()
+    assert len(before) > 8
     again = training.train(tiny_config(corpus, workdir), verbose=False)
-    assert (workdir / "metrics.jsonl").read_bytes() == before
+    assert files() == before
+    assert again == json.loads((workdir / "summary.json").read_text())
     assert again["val_loss"] == summary["val_loss"] and again["epsilon"] == summary["epsilon"]
+
+
+def test_the_run_names_the_token_cache_files_it_wrote_and_deletes_exactly_them(corpus, tmp_path):
+    """token_cache.json names exactly the files that appeared in the cache directory, with their sizes; a
+    resume keeps them named (now read); the delete command removes them and nothing else in the directory."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "someone-else.npy").write_bytes(b"not this run's")
+    config = tiny_config(corpus, tmp_path / "run", steps=2, **{"sample.num": 0, "data.cache_dir": str(cache)})
+    before = set(cache.iterdir())
+    training.train(config, interrupt_after=1, verbose=False)
+    wrote = set(cache.iterdir()) - before
+    record = json.loads((tmp_path / "run" / "token_cache.json").read_text())
+    assert {pathlib.Path(e["path"]) for e in record["files"]} == wrote and len(wrote) == 4  # two splits, two files
+    assert all(e["wrote"] and e["bytes"] == pathlib.Path(e["path"]).stat().st_size for e in record["files"])
+    assert "do not share" in record["about"].lower()
+    training.train(config, verbose=False)  # resumes: reads the cache it wrote
+    assert json.loads((tmp_path / "run" / "token_cache.json").read_text())["files"] == record["files"]
+    out = run_cli([f"--workdir={tmp_path / 'run'}"], module="experiments.delete_token_cache")
+    assert out.returncode == 0, out.stderr
+    assert set(cache.iterdir()) == before and "4 of the 4" in out.stdout
+
+
+def test_the_progress_line_names_only_finished_steps(corpus, tmp_path, monkeypatch):
+    """Each step's loss is made to finish well after its dispatch (a slow device computation behind it), so a
+    host that runs ahead would show unfinished steps; every progress update must name a step whose losses (the
+    outputs of the programs that updated the model) are ready, and the last update the last step."""
+    import jax
+    import jax.numpy as jnp
+    from jaxdp.training import loop
+
+    def heavy(x):
+        m = jnp.full((384, 384), x / 384)
+        return jax.lax.fori_loop(0, 60, lambda i, a: a @ m, m).sum()
+    slow = jax.jit(lambda x: x + heavy(x) * 0.0)
+    outputs, shown = [], []
+    real_step_fn = loop._step_fn
+
+    def slow_step_fn(*args):
+        step = real_step_fn(*args)
+        return lambda *a: outputs.append(slow(step(*a))) or outputs[-1]
+
+    def checked_update(self, done, row, tokens_per_s, *, saved=None):
+        assert all(x.is_ready() for x in outputs[:done]), (done, [x.is_ready() for x in outputs])
+        assert saved is None or saved <= done
+        shown.append((done, len(outputs)))
+    monkeypatch.setattr(loop, "_step_fn", slow_step_fn)
+    monkeypatch.setattr(run_dir.Progress, "update", checked_update)
+    training.train(tiny_config(corpus, tmp_path / "run", steps=8, log_every=4, eval_every=4, checkpoint_every=4,
+                               **{"sample.num": 0}), verbose=False)
+    assert len(outputs) == 8 and shown[-1] == (8, 8)
+    assert [d for d, _ in shown] == sorted(d for d, _ in shown)  # never moves back
+    assert any(d < n for d, n in shown)  # the device was behind: the line showed it
 
 
 def test_resume_must_continue_the_mechanism_its_accountant_counted(tmp_path):
@@ -587,7 +644,7 @@ def test_cli_end_to_end(cli_run):
     assert proc.returncode == 0, proc.stderr[-2000:]
     for word in ("train loss", "val loss", "perplexity", "epsilon", "delta", "sigma", "tokens/s"):
         assert word in proc.stdout
-    assert "step 12/12" in proc.stderr  # the progress line
+    assert "step 12/12 done" in proc.stderr  # the progress line
     rows = training.read_metrics(workdir)
     assert rows[-1]["step"] == 12 and "val_loss" in rows[-1]
     assert json.loads((workdir / "config.json").read_text())["steps"] == 12

@@ -17,10 +17,12 @@ from the checkpoint, see `jaxdp.training.preparation`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import pathlib
 import time
 
 import jax
@@ -43,15 +45,19 @@ from jaxdp.training.run_dir import (
     METRICS_FILE,
     MODEL_DIR,
     SUMMARY_FILE,
+    TOKEN_CACHE_FILE,
     TOKENIZER_DIR,
     Checkpointer,
     Progress,
+    Ticker,
     log,
+    record_token_cache,
     read_json,
     read_metrics,
     write_metrics,
     write_model,
     write_plots,
+    write_text_atomic,
 )
 from jaxdp.training.steps import (
     ShardedTrainer,
@@ -83,19 +89,26 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         log("config.seed is pinned: the privacy guarantee assumes this seed is secret "
             "(it reproduces the noise and the batches) and is never pinned for another released run "
             "(two runs with one seed share their noise)", verbose)
+    finished = _finished_summary(config, p)
+    if finished is not None:  # a rerun of a finished run: nothing to do, nothing rewritten
+        log(f"{p.workdir} holds this run, finished at step {finished['steps']}: nothing to do (no file rewritten)",
+            verbose)
+        return finished
     processes.barrier("jaxdp: prepared")  # no process still reads the workdir's config.json when process 0 writes it
     if hosts.writes_run_dir():
-        _open_run_dir(p)  # from here on the workdir is written
+        _open_run_dir(p, verbose)  # from here on the workdir is written
     processes.barrier("jaxdp: run dir open")  # made for the owner alone before another process's orbax would create it
     model, optimizer, tracker = _build(config, p)
     checkpointer = Checkpointer(p.workdir / CHECKPOINT_DIR)
-    start, rows, tracker = _restore_or_evaluate(config, p, model, optimizer, tracker, checkpointer, verbose)
+    clock = _Throughput()
+    start, rows, tracker = _restore_or_evaluate(config, p, model, optimizer, tracker, checkpointer, clock, verbose)
     initial_val_loss = rows[0]["val_loss"]
 
     sharded = ShardedTrainer(config, model, optimizer, p.noise_multiplier) if runs_sharded_step(config) else None
     step_fn = _step_fn(config, p, sharded)
     progress = Progress(config.steps, verbose, accountant=config.accountant if config.dp.enabled else None)
-    clock, window_losses, last_row, stop_reason = _Throughput(), [], rows[-1], None
+    window_losses, last_row, stop_reason = [], rows[-1], None
+    saved, in_flight = (start or None), _InFlight(start)
     metrics_f = open(p.workdir / METRICS_FILE, "a") if hosts.writes_run_dir() else open(os.devnull, "w")
     step = start
     try:
@@ -105,6 +118,7 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
                 break
             window_losses.append(_logical_step(config, p, step, step_fn, model, optimizer, tracker, clock, verbose))
             n = step + 1
+            in_flight.dispatched(n, window_losses[-1][0])
             if sharded is not None and (n % config.log_every == 0 or n == config.steps
                                         or n == interrupt_after):
                 sharded.sync()  # the host-side model / optimizer used by eval and checkpoints
@@ -112,13 +126,15 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
                 last_row = _log_row(config, p, n, model, tracker, window_losses, clock, metrics_f)
                 rows.append(last_row)
                 window_losses = []
-            # every step; values as last logged
-            progress.update(n, last_row, clock.tokens_per_s if clock.tokens else None)
             if n % config.checkpoint_every == 0 and n != config.steps:
                 t_save = time.perf_counter()
-                checkpointer.save(n, model, optimizer, _meta(n, tracker, p))
+                checkpointer.save(n, model, optimizer, _meta(n, tracker, p, clock))
                 clock.pause_since(t_save)
+                saved = n
+            # every step: the last finished step (values as last logged)
+            progress.update(in_flight.done(), last_row, clock.tokens_per_s or None, saved=saved)
             if interrupt_after is not None and n >= interrupt_after:
+                progress.update(in_flight.finish(), last_row, clock.tokens_per_s or None, saved=saved)
                 progress.close()
                 return {"interrupted_at": n}
         else:
@@ -128,11 +144,12 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     clock.finish(model)
     if sharded is not None:
         sharded.sync()  # the loop may stop between log boundaries (budget): eval, save and samples see the last step
+    progress.update(in_flight.finish(), last_row, clock.tokens_per_s or None, saved=saved)
     progress.close()
     last = step if stop_reason else config.steps
     if stop_reason:
         log(stop_reason, verbose)
-    _evaluate_and_save_final(config, p, model, optimizer, tracker, checkpointer, rows, last)
+    _evaluate_and_save_final(config, p, model, optimizer, tracker, checkpointer, rows, last, clock)
     summary = _summary(config, p, model, tracker, rows, last, stop_reason, initial_val_loss, clock)
     if hosts.writes_run_dir():
         _write_outputs(config, p, model, rows, summary, last)
@@ -140,17 +157,59 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     return summary
 
 
+class _InFlight:
+    """The steps dispatched to the device whose results may not be ready yet. `dispatched` waits for the
+    step before the new one, so the host runs at most one step ahead (and the device always has the next
+    step queued); `done` is the last step whose losses, outputs of the same programs as its update, are
+    ready."""
+
+    def __init__(self, start: int):
+        self._done, self._pending = start, []  # [(step, its micro-batches' losses)]
+
+    def dispatched(self, step: int, losses) -> None:
+        self._pending.append((step, losses))
+        while len(self._pending) > 1:
+            self._done, older = self._pending.pop(0)
+            jax.block_until_ready(older)
+
+    def finish(self) -> int:
+        """Waits for every dispatched step; the last one."""
+        for self._done, losses in self._pending:
+            jax.block_until_ready(losses)
+        self._pending = []
+        return self._done
+
+    def done(self) -> int:
+        while self._pending and all(x.is_ready() for x in self._pending[0][1]):
+            self._done = self._pending.pop(0)[0]
+        return self._done
+
+
 @dataclasses.dataclass
 class _Throughput:
     """Training tokens/s: the steps after the first (compiling) one, over their wall time less the pauses
     (accounting, evaluation and checkpoints are not training time)."""
-    tokens: int = 0  # tokens of the timed steps
+    tokens: int = 0  # tokens of the timed steps of this process
     t_first: float | None = None  # when the first step finished
     t_paused: float = 0.0
-    tokens_per_s: float = 0.0  # as last measured
+    tokens_per_s: float = 0.0  # as last measured, over this process and the runs before a resume
+    earlier_tokens: int = 0  # timed tokens and seconds of the processes before a resume (checkpoint meta)
+    earlier_seconds: float = 0.0
+    _seconds: float = 0.0  # this process's timed seconds, as last measured
 
     def measure(self, now: float) -> None:
-        self.tokens_per_s = self.tokens / max(now - self.t_first - self.t_paused, 1e-9)
+        self._seconds = max(now - self.t_first - self.t_paused, 0.0)
+        total = self.earlier_tokens + self.tokens
+        self.tokens_per_s = total / max(self.earlier_seconds + self._seconds, 1e-9) if total else 0.0
+
+    def totals(self) -> dict:
+        """Timed tokens and seconds of every process of this run so far (kept in the checkpoint meta)."""
+        return {"tokens": self.earlier_tokens + self.tokens, "seconds": self.earlier_seconds + self._seconds}
+
+    def resume(self, totals: dict | None) -> None:
+        if totals:
+            self.earlier_tokens, self.earlier_seconds = int(totals["tokens"]), float(totals["seconds"])
+            self.tokens_per_s = self.earlier_tokens / max(self.earlier_seconds, 1e-9) if self.earlier_tokens else 0.0
 
     def pause_since(self, t: float) -> None:
         self.t_paused += time.perf_counter() - t
@@ -162,8 +221,9 @@ class _Throughput:
             self.measure(time.perf_counter())
 
 
-def _open_run_dir(p: Prepared) -> None:
-    """The run directory with the run's config and tokenizer, and its checkpoints/ directory."""
+def _open_run_dir(p: Prepared, verbose: bool) -> None:
+    """The run directory with the run's config, tokenizer and token-cache record, and its checkpoints/
+    directory."""
     workdir = p.workdir
     # Created for the owner alone (attacker review 15): its metrics, samples and a trained tokenizer are private
     # until the user shares what privacy.json says may be shared. The checkpoints hold the run's root seed
@@ -174,6 +234,11 @@ def _open_run_dir(p: Prepared) -> None:
     (workdir / CONFIG_FILE).write_text(json.dumps(p.config_json, indent=2, sort_keys=True) + "\n")
     if not (workdir / TOKENIZER_DIR / "tokenizer.json").is_file():
         p.tokenizer.save(workdir / TOKENIZER_DIR)
+    files = record_token_cache(workdir, (p.train, p.valid))
+    used = [f for f in files if pathlib.Path(f["path"]).is_file()]
+    log(f"token cache: {len(used)} files, {sum(f['bytes'] for f in used) / 1e6:.1f} MB in "
+        f"{os.path.commonpath([f['path'] for f in used])}, named in {workdir / TOKEN_CACHE_FILE}: they hold the private "
+        f"text's tokens (python -m experiments.delete_token_cache --workdir={workdir} deletes them)", verbose)
 
 
 def _build(config, p: Prepared):
@@ -193,21 +258,26 @@ def _build(config, p: Prepared):
     return model, optimizer, tracker
 
 
-def _restore_or_evaluate(config, p: Prepared, model, optimizer, tracker, checkpointer, verbose: bool):
+def _restore_or_evaluate(config, p: Prepared, model, optimizer, tracker, checkpointer, clock: _Throughput,
+                         verbose: bool):
     """(first step, metrics rows up to it, accountant): the latest checkpoint restored into `model` and
     `optimizer`, or the untrained model evaluated as step 0; `metrics.jsonl` rewritten to those rows."""
     start = checkpointer.latest_step() or 0
     rows = read_metrics(p.workdir)
     if start:
         meta = checkpointer.restore(start, model, optimizer)
+        clock.resume(meta.get("throughput"))
         if tracker is not None:
             tracker = BudgetTracker.from_state_dict(meta["accountant"])
         log(f"resuming {p.workdir} from the checkpoint at step {start}", verbose)
     rows = [r for r in rows if r["step"] <= start]
     if start == 0:
-        log(f"evaluating the untrained model on {len(p.eval_indices)} validation windows ...", verbose)
+        with Ticker(f"step 0: evaluating the untrained model on {len(p.eval_indices)} validation windows",
+                    verbose) as t:
+            val_loss = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)
+            t.set(f": validation loss {val_loss:.4f}")
         rows = [{"step": 0, "train_loss": None, "epsilon": 0.0 if config.dp.enabled else None,
-                 "val_loss": evaluate(model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)}]
+                 "val_loss": val_loss}]
     processes.barrier("jaxdp: metrics read")  # every process read metrics.jsonl before process 0 replaces it
     if hosts.writes_run_dir():
         write_metrics(p.workdir, rows)
@@ -246,22 +316,22 @@ def _logical_step(config, p: Prepared, step: int, step_fn, model, optimizer, tra
     tokens = p.train.get(indices)
     count = int(mask.sum())  # windows
     mb = p.sampler.max_batch_size // k * k_unit  # windows per micro-batch: whole units
-    if clock.t_first is None:
-        log(f"compiling the {'DP' if dp else 'non-DP'} step (micro-batch {mb} windows, {k} per step) ...",
-            verbose)
-        t_compile = time.perf_counter()
-    micro_losses = []  # device scalars: no host sync per micro-batch, the host runs ahead
-    for j in range(k):
-        batch = {"tokens": tokens[j * mb:(j + 1) * mb], "mask": mask[j * mb:(j + 1) * mb]}
-        if not dp:
-            batch["divisor"] = np.float32(max(count, 1))
-        micro_losses.append(step_fn(model, optimizer, batch))
+    first = clock.t_first is None
+    compiling = Ticker(f"compiling and running the first {'DP' if dp else 'non-DP'} step (micro-batch {mb} "
+                       f"windows, {k} per step)", verbose) if first else contextlib.nullcontext()
+    with compiling:
+        micro_losses = []  # device scalars: no host sync per micro-batch
+        for j in range(k):
+            batch = {"tokens": tokens[j * mb:(j + 1) * mb], "mask": mask[j * mb:(j + 1) * mb]}
+            if not dp:
+                batch["divisor"] = np.float32(max(count, 1))
+            micro_losses.append(step_fn(model, optimizer, batch))
+        if first:
+            jax.block_until_ready(micro_losses)
     if tracker is not None:
         tracker.step()
-    if clock.t_first is None:
-        jax.block_until_ready(micro_losses)
+    if first:
         clock.t_first = time.perf_counter()  # after the first (compiling) step
-        log(f"compiled and ran the first step in {clock.t_first - t_compile:.1f} s", verbose)
     else:
         clock.tokens += count * config.seq_len
     return micro_losses, count
@@ -284,7 +354,8 @@ def _log_row(config, p: Prepared, n: int, model, tracker, window_losses, clock: 
     return row
 
 
-def _evaluate_and_save_final(config, p: Prepared, model, optimizer, tracker, checkpointer, rows, last: int):
+def _evaluate_and_save_final(config, p: Prepared, model, optimizer, tracker, checkpointer, rows, last: int,
+                             clock: _Throughput):
     """The final state evaluated (budget stop, or a run that was already complete) and checkpointed at
     step `last`, unless it already is."""
     if not rows or rows[-1]["step"] != last or "val_loss" not in rows[-1]:
@@ -297,7 +368,7 @@ def _evaluate_and_save_final(config, p: Prepared, model, optimizer, tracker, che
         if hosts.writes_run_dir():
             write_metrics(p.workdir, rows)
     if checkpointer.latest_step() != last:
-        checkpointer.save(last, model, optimizer, _meta(last, tracker, p))
+        checkpointer.save(last, model, optimizer, _meta(last, tracker, p, clock))
     checkpointer.close()
 
 
@@ -344,15 +415,15 @@ def _summary(config, p: Prepared, model, tracker, rows, last: int, stop_reason, 
         "num_params": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
         "tokenizer": p.tokenizer.name,
         "vocab_size": p.tokenizer.vocab_size,
-        "tokens_per_s": clock.tokens_per_s if clock.tokens else (previous or {}).get("tokens_per_s"),
+        "tokens_per_s": clock.tokens_per_s or (previous or {}).get("tokens_per_s"),  # every process of the run
         "overflowed_steps_this_process": sampler.overflow_count,
     }
 
 
 def _write_outputs(config, p: Prepared, model, rows, summary: dict, last: int) -> None:
-    """The summary, the privacy receipt, the plots, the model and the samples, in the run directory."""
+    """The privacy receipt, the plots, the model, the samples and, last (it marks a finished run: a rerun
+    then rewrites nothing), the summary, in the run directory."""
     dp, workdir = config.dp.enabled, p.workdir
-    (workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     write_privacy_receipt(workdir, privacy_receipt(config, p, steps=last, epsilon=summary["epsilon"] if dp else None,
                                                    overflowed_steps=p.sampler.overflow_count))
     write_plots(workdir, rows, target_epsilon=config.dp.target_epsilon if dp else None,
@@ -360,9 +431,27 @@ def _write_outputs(config, p: Prepared, model, rows, summary: dict, last: int) -
     write_model(workdir / MODEL_DIR, model)
     if config.sample.num > 0:
         write_samples(model, p, config)
+    write_text_atomic(workdir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
 
 
-def _meta(step: int, tracker, p: Prepared) -> dict:
+def _meta(step: int, tracker, p: Prepared, clock: _Throughput) -> dict:
     """The checkpoint's JSON: the private part of the run directory, the only place of the root seed."""
     return {"step": step, "accountant": tracker.state_dict() if tracker is not None else None,
-            "root_seed": p.root_seed, "seed_pinned": p.seed_pinned, "mechanism": mechanism(p)}
+            "root_seed": p.root_seed, "seed_pinned": p.seed_pinned, "mechanism": mechanism(p),
+            "throughput": clock.totals()}
+
+
+def _finished_summary(config, p: Prepared) -> dict | None:
+    """The summary of the run in the workdir if it has finished (summary.json, written last, is at the latest
+    checkpoint's step and that step is config.steps or a budget stop), else None. Reads only."""
+    summary = read_json(p.workdir / SUMMARY_FILE)
+    if summary is None or not (p.workdir / CHECKPOINT_DIR).is_dir():
+        return None
+    checkpointer = Checkpointer(p.workdir / CHECKPOINT_DIR)
+    try:
+        latest = checkpointer.latest_step()
+    finally:
+        checkpointer.close()
+    if latest is None or summary.get("steps") != latest:
+        return None
+    return summary if latest == config.steps or summary.get("stop_reason") else None

@@ -75,6 +75,7 @@ from jaxdp.training.run_dir import (
     SAMPLES_FILE,
     SUMMARY_FILE,
     TOKENIZER_DIR,
+    Ticker,
     latest_checkpoint_meta,
     tree_sha256,
 )
@@ -176,7 +177,11 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
         if (tok_dir / "tokenizer.json").is_file():
             tokenizer = data_lib.Tokenizer.load(tok_dir)
         else:
-            tokenizer = data_lib.make_tokenizer(config.data.tokenizer, docs)
+            spec = config.data.tokenizer
+            trains = spec.startswith("bpe") and spec[3:].isdigit()
+            shown = progress is not None and trains  # a bpe<N> trains on the corpus: seconds to minutes
+            with Ticker(f"training the {spec} tokenizer on {len(docs)} documents", shown):
+                tokenizer = data_lib.make_tokenizer(spec, docs)
     except (ValueError, ImportError) as e:
         raise ConfigError(f"config.data.tokenizer: {e}") from None
     kw = dict(validation_fraction=config.data.validation_fraction, cache_dir=config.data.cache_dir,

@@ -10,7 +10,10 @@
              model/params.npz the final parameters alone (no optimizer state, no key): the model
                               to share; written when the run ends
              privacy.json     the privacy receipt (`jaxdp.training.receipt`)
-             summary.json, loss.png, epsilon.png, samples.txt
+             token_cache.json the token-cache files (outside the run directory) this run wrote or read:
+                              paths and sizes. PRIVATE: they hold the private text's tokens
+             summary.json     written last: a run with it at its latest checkpoint's step has finished
+             loss.png, epsilon.png, samples.txt
 
 README.md ("What is protected") says which of these may be shared.
 """
@@ -23,6 +26,8 @@ import logging
 import os
 import pathlib
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +42,7 @@ TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_DIR = "checkpoints"
 MODEL_DIR = "model"
 PARAMS_FILE = "params.npz"
+TOKEN_CACHE_FILE = "token_cache.json"
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -236,6 +242,46 @@ def tree_sha256(directory, exclude=None) -> str:
     return digest.hexdigest()
 
 
+# ------------------------------------------------------------------ the token cache
+
+
+def record_token_cache(workdir: pathlib.Path, windows) -> list[dict]:
+    """Adds the cache files of `windows` (`jaxdp.data.TokenWindows`, one per split) to
+    `<workdir>/token_cache.json` and returns its entries: {"path" (absolute), "bytes", "split", "wrote" (this
+    run wrote the file, in this process or one it resumed), "exists"}. Entries of earlier processes of the run
+    are kept, so the file names every cache file the run has used."""
+    path = workdir / TOKEN_CACHE_FILE
+    entries = {e["path"]: e for e in (read_json(path) or {}).get("files", [])}
+    for w in windows:
+        for f in w.cache_files:
+            key = str(pathlib.Path(f).absolute())
+            wrote = entries.get(key, {}).get("wrote", False) or not w.from_cache
+            entries[key] = {"path": key, "bytes": f.stat().st_size, "split": w.split, "wrote": wrote}
+    files = [entries[k] for k in sorted(entries)]
+    write_text_atomic(path, json.dumps({
+        "about": "The token-cache files this run wrote or read, outside the run directory: they hold the private "
+                 "text's tokens. Do not share this file or them; delete them with the run: "
+                 f"python -m experiments.delete_token_cache --workdir={workdir}",
+        "files": files}, indent=2) + "\n")
+    return files
+
+
+def delete_token_cache(workdir) -> list[dict]:
+    """Deletes the token-cache files `<workdir>/token_cache.json` names (those that still exist) and returns
+    their entries; nothing else. ValueError when the run directory has no such file."""
+    record = read_json(pathlib.Path(workdir) / TOKEN_CACHE_FILE)
+    if record is None:
+        raise ValueError(f"{workdir} has no {TOKEN_CACHE_FILE}: not a run directory, or a run from before runs "
+                         "recorded their token cache")
+    deleted = []
+    for entry in record.get("files", []):
+        f = pathlib.Path(entry["path"])
+        if f.is_file() and not f.is_symlink():
+            f.unlink()
+            deleted.append(entry)
+    return deleted
+
+
 def read_json(path) -> dict | None:
     """The JSON object in `path`; None when it is missing, unreadable or not an object."""
     try:
@@ -284,27 +330,92 @@ def write_plots(workdir, rows: list[dict], *, target_epsilon: float | None = Non
 
 
 class Progress:
-    """One stderr line updated in place at every step: step, and the last logged loss and epsilon."""
+    """One stderr line, redrawn at every step, that never runs ahead of the work: the last step whose
+    computation has finished (`done`; the loop keeps at most one more in flight), the last checkpoint (a kill
+    loses the steps after it), the last logged loss and epsilon, and the elapsed time."""
 
     def __init__(self, total: int, enabled: bool, *, accountant: str | None = None):
         self.total, self.enabled, self.accountant = total, enabled, accountant
+        self.started = time.perf_counter()
 
-    def update(self, step: int, row: dict, tokens_per_s: float | None):
-        """`row`: the latest metrics.jsonl line (train_loss None before the first logged step)."""
+    def update(self, done: int, row: dict, tokens_per_s: float | None, *, saved: int | None = None):
+        """`done`: the last finished step; `row`: the latest metrics.jsonl line (train_loss None before the
+        first logged step); `saved`: the step of the latest checkpoint (None: none yet)."""
         if not self.enabled:
             return
         width = 24
-        done = int(width * step / max(self.total, 1))
+        filled = int(width * done / max(self.total, 1))
         loss, eps = row.get("train_loss"), row.get("epsilon")
         eps_s = "inf (non-DP)" if self.accountant is None else f"{eps:.3f} ({self.accountant})"
-        print(f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{self.total} "
-              f"loss {'-' if loss is None else format(loss, '.4f')} "
-              f"tok/s {'-' if not tokens_per_s else format(tokens_per_s, ',.0f')} eps {eps_s}   ",
-              end="", file=sys.stderr, flush=True)
+        tok_s = '-' if not tokens_per_s else format(tokens_per_s, ',.0f')
+        _redraw(f"[{'#' * filled}{'.' * (width - filled)}] step {done}/{self.total} done, "
+                f"saved at {'-' if saved is None else saved} | loss {'-' if loss is None else format(loss, '.4f')} "
+                f"(step {row.get('step', 0)}) eps {eps_s} | tok/s {tok_s} | "
+                f"{_elapsed(time.perf_counter() - self.started)}")
 
     def close(self):
         if self.enabled:
             print(file=sys.stderr, flush=True)
+            _line_width[0] = 0
+
+
+class Ticker:
+    """A stderr line that moves while slow work runs (compiling, training a tokenizer, tokenising): the
+    message, a status the work may set (`set`), and the elapsed time, redrawn every `interval` seconds by a
+    thread; on exit the line ends with the time taken. Disabled: prints nothing.
+
+        with Ticker("compiling the DP step", enabled=verbose):
+            step(...)
+    """
+
+    def __init__(self, message: str, enabled: bool = True, *, interval: float = 1.0):
+        self.message, self.enabled, self.interval = message, enabled, interval
+        self.status, self._stop, self._thread = "", threading.Event(), None
+
+    def set(self, status: str) -> None:
+        """Shown after the message, e.g. ': 40/233 documents'."""
+        self.status = status
+        self._draw()
+
+    def _draw(self) -> None:
+        if self.enabled:
+            _redraw(f"{self.message}{self.status} ... {_elapsed(time.perf_counter() - self._t0)}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._draw()
+
+    def __enter__(self) -> "Ticker":
+        self._t0 = time.perf_counter()
+        if self.enabled:
+            self._draw()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        if self.enabled:
+            _redraw(f"{self.message}{self.status}: {'failed after' if exc[0] else 'done in'} "
+                    f"{time.perf_counter() - self._t0:.1f} s", end="\n")
+
+
+_line_width = [0]  # characters of the stderr line being redrawn
+
+
+def _redraw(text: str, end: str = "") -> None:
+    """Redraws the current stderr line with `text`, blanking what a longer previous text left."""
+    print("\r" + text.ljust(_line_width[0]), end=end, file=sys.stderr, flush=True)
+    _line_width[0] = 0 if end else len(text)
+
+
+def _elapsed(seconds: float) -> str:
+    """'0:07', '12:34', '1:02:03'."""
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 def log(msg: str, enabled: bool = True) -> None:
