@@ -168,6 +168,12 @@ def test_privacy_receipt_states_what_ran_and_holds_no_secret(reference_run):
     assert set(receipt._OVERFLOW_NOTE) == set(sampling.OVERFLOW_MODES)
     assert any(k.startswith("samples.txt") for k in r["outside_the_guarantee"])  # decoded by a trained bpe
     assert r["guarantee"].startswith("NONE as run") and summary["seed_guessable"]  # the tiny run pins root 0
+    assert next(iter(r)) == "in_plain_words" and r["in_plain_words"].startswith("This run has NO privacy guarantee")
+    plain = receipt.in_plain_words(dict(r, guarantee="(8, 1e-06)-DP ...", epsilon=8.0, delta=1e-6, audits=[]))
+    assert "(8, 1e-06)-differential privacy" in plain and "one training window" in plain and "2.98e+03" in plain
+    audited = [{"claimed_epsilon": 1.0, "delta": 1e-6, "trained_on_run_data": True}]
+    assert "(9, 2e-06)" in receipt.in_plain_words(dict(r, guarantee="", epsilon=8.0, delta=1e-6, audits=audited))
+    assert receipt.in_plain_words({"dp": False}).startswith("This model was trained without differential privacy")
     text = (workdir / receipt.PRIVACY_FILE).read_text()
     root = run_dir.Checkpointer(workdir / "checkpoints")
     meta = root.restore_meta(root.latest_step())

@@ -282,8 +282,33 @@ def write_privacy_receipt(workdir, receipt: dict) -> dict:
         receipt["guarantee_with_audits"] = (GUESSABLE_SEED_NOTE if void else "") + (
             f"({eps:.6g}, {delta:.3g})-DP for the run's data: {len(on_data)} recorded audit(s) trained on it (or "
             "may have), and their released bounds compose with this run (basic composition: epsilons and deltas add)")
+    rest = {k: v for k, v in receipt.items() if k != "in_plain_words"}
+    receipt = {"in_plain_words": in_plain_words(rest), **rest}  # first: what a person reads
     write_text_atomic(path, json.dumps(receipt, indent=2) + "\n")
     return receipt
+
+
+def in_plain_words(receipt: dict) -> str:
+    """The sentence privacy.json opens with: the guarantee (with recorded audits composed) for a reader who
+    reads nothing else."""
+    if receipt.get("dp") is not True:
+        return ("This model was trained without differential privacy (config.dp.enabled=False): nothing limits what "
+                "it reveals about its training text.")
+    if str(receipt.get("guarantee") or "").startswith(GUESSABLE_SEED_NOTE):
+        return ("This run has NO privacy guarantee: config.seed was pinned to a value below 2^64, which an attacker "
+                "can find by search and use to replay the batches and subtract the noise.")
+    eps, delta, unit = receipt.get("epsilon"), receipt.get("delta"), receipt.get("unit") or "unit"
+    if not all(isinstance(x, (int, float)) for x in (eps, delta)):
+        return f"See guarantee: {receipt.get('guarantee')}"
+    on_data = [a for a in receipt.get("audits") or [] if a.get("trained_on_run_data") is not False]
+    eps += sum(a["claimed_epsilon"] for a in on_data)
+    delta += sum(a["delta"] for a in on_data)
+    return (f"Whoever sees the trained model can tell only to a bounded degree whether any one training {unit} was "
+            f"in the data: ({eps:.3g}, {delta:.2g})-differential privacy, where e^epsilon = {math.exp(eps):.3g} bounds "
+            f"how much the model can change the odds of any guess about that {unit} and delta = {delta:.2g} is the "
+            "probability that this bound fails" + (f" (with the {len(on_data)} recorded audit(s) on this data)"
+                                                    if on_data else "") +
+            "; what it assumes and what lies outside it follow.")
 
 
 # What must match between an audit and the run it is recorded into: the implementation it tested.
