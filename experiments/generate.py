@@ -10,7 +10,6 @@ weights (`config.finetune.init`), on which `model/` holds the trained parameters
 import sys
 
 from absl import flags
-from absl import logging
 
 from jaxdp.training import cli
 
@@ -25,7 +24,6 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)
     from jaxdp import training
     if _TOP_K.value < 0 or not _TEMPERATURE.value >= 0 or _TOKENS.value < 1 or _SAMPLES.value < 1:
         print(f"error: need --top_k >= 0 (0: all tokens), --temperature >= 0 (0: greedy), --num_tokens >= 1 and "

@@ -25,7 +25,6 @@ resumes the run in `--config.workdir`. The logic lives in `jaxdp.training`.
 import os
 import sys
 
-from absl import logging
 
 from jaxdp.training import cli
 
@@ -57,7 +56,6 @@ def _print_summary(s: dict, workdir: str) -> None:
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     import jax
 
     from jaxdp import data, training  # after flag parsing: a --help stays fast

@@ -267,3 +267,16 @@ def test_audit_noise_key_is_the_roots_256_bit_noise_key(monkeypatch):
     for key in seen:
         assert jax.random.key_impl(key) == jax.random.key_impl(want)
         np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(want))
+
+
+def test_the_audit_job_prints_its_report_without_library_logs():
+    """The job's output opens with the report: absl INFO lines (jax probing for libtpu.so) are not shown."""
+    import re
+    import subprocess
+    import sys
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "experiments.audit", "--config.audit.kind=white_box"], cwd=repo,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("one-run audit (white_box")
+    assert not re.search(r"^[IWEF]\d{4} ", out.stderr, re.MULTILINE), out.stderr[:500]

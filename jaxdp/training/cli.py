@@ -14,6 +14,7 @@ from typing import Callable
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 
@@ -104,9 +105,11 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 def run(main: Callable[[list[str]], int | None]) -> None:
     """`app.run(main, flags_parser=parse_flags)`; main's return value is the exit status. A --config file
     that does not load (missing, or raising on import) is one `error: ...` line and status 2 too; a library
-    warning (e.g. files a corpus directory did not read) is one `warning: ...` line."""
+    warning (e.g. files a corpus directory did not read) is one `warning: ...` line; absl logs below WARNING
+    are not shown."""
     def checked(argv):
         warnings.showwarning = _one_line_warning
+        logging.set_verbosity(logging.WARNING)  # absl INFO: jax's backend probing (libtpu.so), orbax's every save
         try:
             return main(argv)
         except OSError as e:
