@@ -144,7 +144,7 @@ class _Tape:
         y = varying_like(y, tuple(a for a in self.axes if a not in varying_axes(y)))
         if self.mode == "discover":
             if type(y).__name__ == "BatchTracer" or type(record).__name__ == "BatchTracer":
-                raise ValueError(  # a loss that vmaps over examples: 1.5-1.9 C where T == B (attacker review 13)
+                raise ValueError(  # vmapped examples record no per-example factors: one moves the sum > C
                     f"per_example_grads: layer {'/'.join(map(str, path))} ran inside jax.vmap in the loss: "
                     "apply layers to the whole batch (batch axis first), not inside jax.vmap over examples")
             self.uses[key] = Use(path, terms_fn,

@@ -13,7 +13,7 @@ under add-or-remove-one adjacency. Two accountants turn it into (epsilon,
 delta); "pld", the tighter, is the default (as in jax_privacy):
 
   "rdp"  Renyi DP (Mironov 2017, arXiv:1702.07476; for the sampled Gaussian,
-         Mironov, Talwar & Zhang 2019, arXiv:1908.10530). Fast (tens of ms,
+         Mironov, Talwar & Zhang 2019, arXiv:1908.10530). Fast (its cost is
          independent of `steps`) and a valid upper bound, but looser: 13%
          above PLD at sigma = 1.1, q = 0.01, 1000 steps; 75% above at
          sigma = 0.8, q = 0.001, 1e4 steps.
@@ -21,7 +21,7 @@ delta); "pld", the tighter, is the default (as in jax_privacy):
          arXiv:1906.03049; Doroshenko et al. 2022, arXiv:2207.04380). Nearly
          tight; the discretisation is pessimistic, so the result is still an
          upper bound. Cost grows as the interval shrinks and as sigma shrinks
-         (0.05 s to a few s per call here).
+         (one step's PLD has ~1/interval points).
 
 The guarantee covers the released sequence of noisy sums (hence, by
 post-processing, the model) only if the batches really are Poisson samples
@@ -50,7 +50,7 @@ ACCOUNTANTS = ("pld", "rdp")  # the first is the default: the tighter bound
 
 # PLD loss-grid spacing. 1e-4 is dp_accounting's own default; against 1e-5 it
 # agrees to 0.02% in every case we checked, while 1e-3 overstated epsilon by
-# 1.7% at q = 1e-3, 1e4 steps. 1e-3 is ~8x faster if that error is acceptable.
+# 1.7% at q = 1e-3, 1e4 steps. 1e-3 is several times faster if that error is acceptable.
 DEFAULT_VALUE_DISCRETIZATION_INTERVAL = 1e-4
 
 # RDP orders: dense just above 1 (needed when epsilon is large), every tenth
@@ -81,7 +81,7 @@ def _check_noise_multiplier(noise_multiplier: float) -> float:
     return float(noise_multiplier)
 
 
-MIN_SAMPLING_PROBABILITY = 1e-12  # below it dp_accounting's terms in 1 + q lose q (attacker review 20)
+MIN_SAMPLING_PROBABILITY = 1e-12  # below it dp_accounting's terms in 1 + q lose q: both accountants answer 0
 
 
 def _check_sampling_probability(sampling_probability: float) -> float:
@@ -133,8 +133,8 @@ def _epsilon(sigma: float, q: float, steps: int, delta: float, accountant: str,
     return math.inf if math.isnan(eps) else eps  # a NaN is a numerical failure: the safe answer is inf
 
 
-# Below this noise multiplier epsilon is inf. Attacker review 15: at sigma 1e-160 sigma^2 underflows,
-# dp_accounting's RDP terms (order^2 / (2 sigma^2)) overflow to NaN and it answered 0.0 ("(0, 1e-05)-DP"
+# Below this noise multiplier epsilon is inf: for a tiny sigma (e.g. 1e-160) sigma^2 underflows,
+# dp_accounting's RDP terms (order^2 / (2 sigma^2)) overflow to NaN and it answers 0.0 ("(0, 1e-05)-DP"
 # for no noise); they overflow below ~order x 7e-155. At 1e-100 epsilon is already ~5e200 (q 0.01, 10 steps).
 _SIGMA_NO_PRIVACY = 1e-100
 
@@ -240,8 +240,8 @@ def pld_interval(
     epsilon at a ten times finer grid (1e-4 if neither coarser one is).
 
     Every spacing gives a valid upper bound (the discretisation is pessimistic); a coarser one is
-    looser and much faster (one step's PLD has ~1/spacing points: 0.1 s at 1e-2 against several s
-    at 1e-4 for sigma ~ 0.3). At large epsilon the spacing hardly matters (10.3649 at 1e-2 vs
+    looser and much faster (one step's PLD has ~1/spacing points, and its cost grows with them).
+    At large epsilon the spacing hardly matters (10.3649 at 1e-2 vs
     10.3647 at 1e-4 for sigma 0.31, q 0.005, 6 steps); at small epsilon it does (0.44 vs 0.21 for
     sigma 1, q 0.001, 2000 steps). Use one spacing for calibration and tracking alike.
     """

@@ -4,7 +4,7 @@ The Poisson sampler (`jaxdp.sampling`) draws a batch size from Binomial(n, q) an
 assumes that law exactly; any difference between the law the code draws from and the binomial is
 paid in delta, (1 + e^epsilon) x steps x TV, by the coupling argument of `jaxdp.sampling`. A float64
 inverse CDF is off by ~1e-16 per size (the resolution of a 53-bit uniform, and the pmf's own
-rounding): TV 1e-14 to 7e-13 per step for n from 1e5 to 1e7 (attacker review 18), i.e. up to 4e-6
+rounding): TV 1e-14 to 7e-13 per step for n from 1e5 to 1e7, i.e. up to 4e-6
 of unpaid delta at epsilon 8 over 1e5 steps. So, once per (n, q):
 
 - `table(n, q)`: the pmf over the window [lo, hi] (`window`: all but < 1e-300 of the mass on each
@@ -17,8 +17,8 @@ of unpaid delta at epsilon 8 over 1e5 steps. So, once per (n, q):
   size's probability is off by at most 2^-128 (TV <= window x 2^-128 < 1e-32 for n < 1e6 sizes).
 
 `sf` and `smallest_size_above` read the same table (tails summed in decimal, so a tail of 1e-250 is
-as exact as one of 0.1). Tables are cached (`functools.lru_cache`): ~0.3 s for the largest window
-of n = 1e7, q = 0.5 (117k sizes) on this CPU, milliseconds for typical runs.
+as exact as one of 0.1). Tables are cached (`functools.lru_cache`), built once per (n, q); the cost
+grows with the window (117k sizes at n = 1e7, q = 0.5, the largest).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def thresholds(n: int, q: float) -> tuple[int, tuple[int, ...]]:
 
 def draw(n: int, q: float, u: int) -> int:
     """The Binomial(n, q) size for the uniform integer u in [0, 2^128); q >= 1 gives n."""
-    n, q = int(n), float(q)  # Decimal takes neither a NumPy float32 nor int64 (review 19)
+    n, q = int(n), float(q)  # Decimal takes neither a NumPy float32 nor int64
     if q >= 1:
         return n
     lo, th = thresholds(n, q)

@@ -110,9 +110,9 @@ def check_per_example_loss(loss_fn: LossFn, model: nnx.Module, batch: Any, *,
             f"{losses[source]:.8g} (difference {abs(moved_losses[0] - losses[source]):.3g}; "
             f"tolerance {tol:.3g}). {why}")
     # Removing an example (its rows) must leave every other loss as it was: a swap keeps the batch's count of
-    # examples and its extremes, so a loss divided by the count (mask.sum(): 1.7 C, attacker review 12) or by
-    # the batch's largest loss (6.4 C, review 13) passes the checks above. Removed: example 0 and the
-    # examples of the largest and the smallest loss.
+    # examples and its extremes, so a loss divided by the count (mask.sum()) or by the batch's largest loss
+    # passes the checks above, though one example then moves every other loss and the clipped sum by more
+    # than C. Removed: example 0 and the examples of the largest and the smallest loss.
     for r in dict.fromkeys([0, int(np.argmax(losses)), int(np.argmin(losses))]):
         others = np.arange(B) != r
         kept = _losses(loss_fn, model, jax.tree.map(lambda a: a[others] if _is_per_example(a, B) else a, batch))

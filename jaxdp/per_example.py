@@ -144,7 +144,7 @@ def discover(loss_fn: LossFn, model: nnx.Module, batch):
 def _check_batch_first(uses: dict, batch_size: int) -> None:
     """Every tapped input and output must lead with the losses' batch axis: a layer run inside a loss that
     vmaps over examples, or on a table shared by the batch, records no per-example factors (its 'per-example'
-    gradient would be a sum over examples: sensitivity 2 C and more, attacker review 12)."""
+    gradient would be a sum over examples, so one example could move the clipped sum by 2 C or more)."""
     for use in uses.values():
         if use.y.shape[:1] != (batch_size,) or use.record.shape[:1] != (batch_size,):
             raise ValueError(

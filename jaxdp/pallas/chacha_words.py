@@ -1,11 +1,11 @@
 """ChaCha20 keystream words in one Triton kernel: the GPU path of `jaxdp.chacha.block_words`.
 
 XLA compiles the 20 unrolled rounds of `jaxdp.chacha` (about 1,600 integer operations per block)
-into one huge elementwise fusion: for GPT-2 small's secure noise the deviceless H100 compile of the
-DP step took minutes. Here each program runs the rounds in a loop over `BLOCK` counters held in
-registers and writes the 16 words of its blocks once (64 bytes per block, the compulsory traffic):
-the rounds are the same code (`jaxdp.chacha._double_round`), the reference is `jaxdp.chacha`'s
-jnp path, and the tests compare the two in the Pallas interpreter.
+into one huge elementwise fusion, which XLA:GPU splits into large fusions that move far more
+bytes than the words and are slow to compile. Here each program runs the rounds in a loop over
+`BLOCK` counters held in registers and writes the 16 words of its blocks once (64 bytes per
+block, the compulsory traffic): the rounds are the same code (`jaxdp.chacha._double_round`), the
+reference is `jaxdp.chacha`'s jnp path, and the tests compare the two in the Pallas interpreter.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ BLOCK = 1024  # counters per program
 
 def _kernel(start_ref, *out_refs):
     start = [start_ref[w] for w in range(chacha.WORDS_PER_BLOCK)]
-    # uint32 throughout: up to 2^32 blocks (int32 would wrap at 2^31; attacker review 17)
+    # uint32 throughout: up to 2^32 blocks (int32 would wrap at 2^31 blocks, which one large draw of noise reaches)
     counters = pl.program_id(0).astype(jnp.uint32) * jnp.uint32(BLOCK) + jnp.arange(BLOCK, dtype=jnp.uint32)
     counters = counters + start[12]
     init = [counters if w == 12 else jnp.full((BLOCK,), s, jnp.uint32) for w, s in enumerate(start)]

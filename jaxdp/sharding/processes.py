@@ -5,7 +5,7 @@ parameters, keys) and places only its own devices' slices of them (`put`). Nothi
 in JAX compares those copies: processes that disagree (another batch, another sigma
 from another library version, another token cache, another default PRNG) would each
 place their own slices of one "replicated" array and silently train a mix, whose
-noise and clipping no longer match the receipt (attacker review 21). `agree` compares
+noise and clipping no longer match the receipt. `agree` compares
 SHA-256 digests of what must be equal through the coordination service's key-value
 store (host-side: it does not wait for the devices), naming what differs.
 On one process every function is a plain device_put / device_get / no-op.

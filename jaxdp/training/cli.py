@@ -27,7 +27,7 @@ def flag_error_message(error: BaseException, argv: list[str] = ()) -> str:
         key, _, hint = text.partition("\n")
         key = key.strip("'\"")
         flag = next((a.split("=")[0] for a in argv if a.startswith("--") and key in a.split("=")[0].split(".")), None)
-        if not hint.strip() and flag:  # the key exists elsewhere in the config (walkthrough: --config.dp.accountant)
+        if not hint.strip() and flag:  # the key exists elsewhere (--config.accountant for --config.dp.accountant)
             hint = "".join(f"did you mean --{flag[2:].split('.')[0]}.{path}?" for path in _paths_named(flag, argv)[:1])
         text = (f"unknown config key {flag[2:] if flag else key!r}"
                 + (f" ({hint.strip()})" if hint.strip() else ""))

@@ -69,7 +69,7 @@ def noise_key_variable(optimizer: nnx.Optimizer) -> nnx.Variable:
 # optimizer's static graph equal, so the jitted step is not recompiled per run. So
 # the run's noise key is not in it: `make_optimizer` writes it into the state. fused_clip's own
 # key is a fixed placeholder, overwritten there (drawing a secret one would be a collective on
-# several processes, and refused under compiled_step_bytes's eval_shape: attacker review 15).
+# several processes, and refused under compiled_step_bytes's eval_shape).
 @functools.lru_cache(maxsize=64)
 def _make_tx(k, learning_rate, min_lr_ratio, warmup_steps, steps, b1, b2, weight_decay,
              dp_enabled, l2_norm_clip, noise_multiplier, expected_batch_size, clipping,
