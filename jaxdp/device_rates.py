@@ -36,9 +36,9 @@ class DeviceRates:
     def store_budget_bytes(self, default: float) -> float:
         """What `strategy="auto"` may hold in kept per-example gradients: 1/4 of device memory, or `default`.
 
-        Held G_b mostly take the place of activations the backward has freed (H100 deviceless compile,
-        GPT-2 small and medium, seq 1024, B 16, every G_b kept: peak = non-DP's), so the sum of G_b
-        overstates what they add; the quarter bounds it where activations are small (remat)."""
+        Held G_b mostly take the place of activations the backward has freed (in XLA:GPU's compile,
+        keeping every G_b left the peak at non-DP's: WORKSPACE.md), so the sum of G_b overstates what
+        they add; the quarter bounds it where activations are small (remat)."""
         return self.memory_bytes / 4 if self.memory_bytes else default
 
     def seconds(self, flops: float, bytes_moved: float, dtype) -> float:
@@ -48,10 +48,10 @@ class DeviceRates:
 
 H100 = DeviceRates(
     "NVIDIA H100 80GB HBM3",
-    {"bfloat16": 8.0e14,   # measured: ~800 TFLOP/s dense bf16 (../shared/DESIGN.md, "Count FLOPs")
+    {"bfloat16": 8.0e14,   # measured: ~800 TFLOP/s dense bf16 (WORKSPACE.md, "Facts moved out of docstrings")
      "float32": 6.7e13},   # NOT measured: the FP32 (non-tensor-core) spec figure; f32 norms run at HIGHEST
-    3.0e12,                # measured: ~3 TB/s copy (../shared/DESIGN.md)
-    "bf16 rate and copy bandwidth as measured in ../shared/DESIGN.md; float32 from the spec sheet (not measured)",
+    3.0e12,                # measured: ~3 TB/s copy (the same)
+    "bf16 rate and copy bandwidth as measured (WORKSPACE.md); float32 from the spec sheet (not measured)",
     memory_bytes=80e9)     # the 80 GB of HBM3 (spec)
 
 H200 = DeviceRates(

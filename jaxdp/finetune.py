@@ -85,7 +85,7 @@ class LoRALinear(nnx.Module):
         # The barriers give the LoRA branch its own input and output cotangent. Otherwise XLA:GPU's dot
         # merger runs x W and x A as one GEMM over a concatenated [W | A], and the backward's two input
         # gradients over [W; B]: two copies of every LoRA'd frozen weight per step, held from the forward
-        # to the backward (GPT-2 large, c_attn in 36 layers: 0.35 GB each; WORKSPACE.md).
+        # to the backward (WORKSPACE.md, "Fine-tuning memory").
         lora_BTD = self.lora_b(self.lora_a(jax.lax.optimization_barrier(x_BTP)))
         return y_BTD + jax.lax.optimization_barrier(self.scale * lora_BTD).astype(y_BTD.dtype)
 

@@ -127,7 +127,8 @@ SEED_GB = {"full": (62.23, 20.45), "lora": (21.75, 13.68), "adapter": (23.68, No
 
 
 def target_checks(rows: dict) -> list[str]:
-    """Issue 14's memory targets on {method: {"dp": GB, "nondp": GB}}, each as 'name: ratio (target) ok|MISSED'."""
+    """The memory targets (DP within 5% of non-DP; side-tuning DP <= 0.55 of LoRA DP; reversible DP <= 1.10 of
+    BiTFiT DP) on {method: {"dp": GB, "nondp": GB}}, each as 'name: ratio (target) ok|MISSED'."""
     out = []
     for m, r in rows.items():
         out.append(f"{m} DP / non-DP: {r['dp'] / r['nondp']:.3f} (<= 1.05) "

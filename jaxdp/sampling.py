@@ -65,7 +65,8 @@ delta / 10. The alternative, for "truncate", is exact accounting:
 dp_accounting's PLD accountant takes
 `TruncatedSubsampledGaussianDpEvent(num_examples, q, max_batch_size, sigma)`
 (Ganesh 2025, arXiv:2508.15089), which `jaxdp.accounting` does not wrap:
-12-14 s per PLD call on 2 CPU cores, too slow for the job's calibration. With
+its PLD is far slower to build than plain Poisson's, and the job's calibration
+makes dozens of accountant calls. With
 the max size 4.5 standard deviations above the mean it cost ~3% more epsilon
 than plain Poisson in one check (N = 1000, q = 0.02, sigma = 1, 100 steps).
 At max_batch_size = q N it is far from plain: N = 1650, q N = 8, 20 steps,

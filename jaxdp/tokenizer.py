@@ -148,7 +148,7 @@ def gpt2_tokenizer() -> Tokenizer:
 
 def train_bpe_tokenizer(documents: Sequence[str], vocab_size: int, *,
                         min_frequency: int = 2, name: str | None = None) -> Tokenizer:
-    """Trains a byte-level BPE on `documents` (deterministic; ~1 s on the bundled corpus).
+    """Trains a byte-level BPE on `documents` (deterministic).
 
     Args:
       documents: training texts. For a private corpus, note that the merges are

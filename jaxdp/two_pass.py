@@ -19,13 +19,12 @@ Li et al. 2022, arXiv:2110.05679, and Opacus):
 
 Memory: each pass alone is the non-DP step's (plus B floats per parameter
 and the kept terms of multi-use parameters), so with activation
-checkpointing DP should need what non-DP needs. XLA:GPU's compile for an
-H100 (compile only, no GPU run) bears this out: with remat the step fits
-non-DP's longest context for GPT-2 small and Llama 1B (book-keeping: about
-0.9 of it). XLA:CPU schedules two backward passes in one program
-worse than one: two plain non-DP gradients in sequence take 71.6 MiB of
-temporaries against 56.8 MiB for one (GPT-2 tiny, T = 1024), and this
-function takes 72.1 MiB (book-keeping: 61.1). See WORKSPACE.md.
+checkpointing DP should need what non-DP needs; XLA:GPU's compile with
+remat bears this out (it fits non-DP's longest context, book-keeping a little
+less: WORKSPACE.md, "Long context"). XLA:CPU schedules two
+backward passes in one program worse than one, so on CPU this function needs
+more temporaries than book-keeping, about what two plain non-DP gradients in
+sequence need (WORKSPACE.md, "Two methods for flat clipping").
 Compute: two forward and two backward passes plus the norms (book-keeping:
 one of each, the norms and one clipped GEMM per layer).
 
@@ -204,8 +203,9 @@ def weighted_loss_grad(loss_fn, graphdef, params, rest, batch, axes, weights_B=N
     `weights_B` is held constant; None weighs every example 1. Inside
     shard_map the parameters are first marked varying over `axes` (the mesh
     axes the batch varies over), so the gradient is this device's partial:
-    nothing comes back implicitly psum-ed (DESIGN.md's pitfall); the caller
-    reduces it.
+    nothing comes back implicitly psum-ed (under check_vma the gradient of a
+    replicated parameter would arrive already summed over the axis, and the
+    caller's reduction would count it again); the caller reduces it.
     """
     params = jax.tree.map(
         lambda p: _tape.varying_like(p, tuple(a for a in axes if a not in _tape.varying_axes(p))), params)

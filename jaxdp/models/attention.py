@@ -10,10 +10,10 @@ with a causal mask. The implementation:
   "cudnn"  cuDNN always (fails where cuDNN is missing); lets a deviceless
            XLA:GPU compile on a CPU machine see the GPU program.
 
-This is the baseline a user would run: on one H100, GPT-2 small at T = 1024,
-micro-batch 4, cuDNN attention made the non-DP step 1.28x faster and 40%
-smaller than XLA attention, and at T = 16384 it fits in 13 GiB where XLA
-attention asks for 99 GiB (`../shared/measured/h100-2026-11-23.md`). DP and
+This is the baseline a user would run: cuDNN's fused attention never
+materialises the T x T logits, so the non-DP step is faster and smaller with
+it and fits contexts where XLA attention runs out of memory (measurements in
+WORKSPACE.md, "Design decisions", causal_attention). DP and
 non-DP use the same attention: it has no parameters, and the per-example
 gradients of the projections around it are exact for either implementation.
 

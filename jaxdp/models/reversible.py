@@ -200,9 +200,9 @@ class ReversibleGPT2(nnx.Module):
                 (pF, pG), (sF, sG) = params[n], zeros[n]
                 # The barrier ties this layer's recomputation to the cotangents of the layer above, so that
                 # the scheduler cannot run the inversion chain (which needs no cotangent) ahead, nor CSE a
-                # kept layer's recomputation with its forward. With keep_streams_every=2 XLA:GPU keeps
-                # only the streams (GPT-2 large, H100 compile: +0.73 GB over pure inversion); XLA:CPU
-                # assigns about the stored-activation memory (28.5 GB against 11.5; WORKSPACE.md).
+                # kept layer's recomputation with its forward. With keep_streams_every XLA:GPU keeps
+                # only the streams over pure inversion; XLA:CPU's buffer assignment holds about the
+                # stored-activation memory (WORKSPACE.md, "Fine-tuning memory").
                 y1, y2, dy1, dy2, kept_inputs = jax.lax.optimization_barrier((x2, x1, dx2, dx1, inputs.get(n)))
                 g, G_vjp = jax.vjp(lambda y, p, s: G_fn(n, y, p, s), y1, pG, sG)
                 x2 = kept_inputs[1] if n in kept else (y2 - g) / beta

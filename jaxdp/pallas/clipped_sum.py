@@ -8,8 +8,8 @@ example's float32 partial is then scaled by c_b and added to the output
 tile. Scaling the float32 partial, not the operand, keeps c_b x_b^T g_b
 exact to float32 rounding: a bf16 operand c_b g_b would be rounded to 8 bits
 per row, and a per-example gradient whose tokens cancel (x_2 = x_1,
-g_2 = -g_1 + small) would then contribute far more than its clipped norm
-(measured: 2% over C before this layout; `tests/test_norm_rounding.py`).
+g_2 = -g_1 + small) would then contribute more than its clipped norm
+(`tests/test_norm_rounding.py` builds such examples).
 Examples whose scale is exactly 0 contribute exact zeros even when x or g
 holds inf / NaN there (the non-finite-example rule of `jaxdp.clipping`).
 

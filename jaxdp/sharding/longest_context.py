@@ -33,13 +33,13 @@ from jaxdp.sharding import context
 from jaxdp.sharding.dp_step import ShardedDPStep
 from jaxdp.sharding.mesh import make_mesh
 
-# --smoke: the sweep shrunk to tiny models on 8 fake CPU devices (compiles dominate: ~30 s of CPU per row).
+# --smoke: the sweep shrunk to tiny models on 8 fake CPU devices (compiles dominate its time).
 SMOKE_CONFIG = dict(models=["gpt2-tiny", "llama-tiny"], remats=["none", "full"], data=1, seqs=[1, 2, 4, 8],
                     zero_stage=0, dp_method="bookkeeping", batch_size=1, dtype="float32", min_seq_len=128,
                     max_seq_len=16384, granularity=64, time=True, steps=3, budget_bytes=16 * 2**20)
 
 # XLA:CPU spends most of a compile in LLVM; its optimisation level does not change the buffer assignment
-# that memory_analysis() reports, so the search compiles at -O0 (~4x faster here).
+# that memory_analysis() reports, so the search compiles at -O0 (much faster, same bytes).
 FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
 
 
