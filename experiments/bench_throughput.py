@@ -90,6 +90,7 @@ def _step_fn(cfg: dict):
 
     import jaxdp
     from jaxdp.models.gpt2 import GPT2, GPT2Config
+    from jaxdp.privatizer import GaussianPrivatizer
 
     method, B, T = cfg["method"], cfg["B"], cfg["T"]
 
@@ -126,8 +127,7 @@ def _step_fn(cfg: dict):
             return nnx.from_flat_state([(p, v.replace(per_example[tuple(p)])) for p, v in flat])
         if method == "two_pass":
             _, sums, _ = two_pass(model, batch)
-            _, noisy = jaxdp.noise.add_noise(sums, key, jaxdp.noise.noise_std(C, sigma))
-            return jax.tree.map(lambda s: s / expected_B, noisy)
+            return GaussianPrivatizer.for_clip(C, sigma, expected_B).update(sums, key)[0]
         return grads_fn(model, batch)[1]
 
     @jax.jit

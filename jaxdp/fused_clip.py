@@ -14,12 +14,13 @@ from jaxdp import device_rates
 from jaxdp import noise as noise_lib
 from jaxdp import norm_costs
 from jaxdp import norms as norms_lib
+from jaxdp.privatizer import GaussianPrivatizer
 from jaxdp.terms import DenseTerm, FactoredGrad, as_factored, is_factored, pinned
 
 
 class FusedClipState(NamedTuple):
     """State of `fused_clip`."""
-    noise_key: jax.Array   # split once per logical batch, when noise is drawn
+    noise_key: jax.Array   # the privatizer's state (`jaxdp.privatizer`): split once per logical batch
     micro_step: jax.Array  # int32 in [0, accumulation_steps)
     accumulated: Any       # clipped sums of this logical batch so far (None without accumulation)
 
@@ -405,16 +406,15 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
     clipping_lib.check_clipping(clipping)
     clipping_lib.check_clip_fn(clip_fn)
     norms_lib.check_strategy(strategy)
-    noise_std = noise_lib.noise_std(l2_norm_clip, noise_multiplier)
     pinned = noise_lib.check_key(key, "fused_clip")
-    secure_noise = noise_lib.check_secure(secure_noise, "fused_clip")
+    privatizer = GaussianPrivatizer.for_clip(l2_norm_clip, noise_multiplier, expected_batch_size,
+                                             secure=noise_lib.check_secure(secure_noise, "fused_clip"))
 
     def init_fn(params):
         accumulated = None
         if accumulation_steps > 1:
             accumulated = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-        return FusedClipState(noise_lib.init_key(pinned, params), jnp.zeros((), jnp.int32),
-                              accumulated)
+        return FusedClipState(privatizer.init(params, pinned), jnp.zeros((), jnp.int32), accumulated)
 
     def update_fn(grads, state, params=None):
         _check_parameter_shapes(grads, params)
@@ -427,8 +427,7 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
         is_last = state.micro_step == accumulation_steps - 1
 
         def emit(sums, key):
-            key, noisy = noise_lib.add_noise(sums, key, noise_std, secure=secure_noise)
-            updates = jax.tree.map(lambda s: s / expected_batch_size, noisy)
+            updates, key = privatizer.update(sums, key)
             return updates, key, jax.tree.map(jnp.zeros_like, sums)
 
         def hold(sums, key):

@@ -9,13 +9,12 @@ One jitted step over a (data, seq) mesh:
 2. The clipped sums are summed over the mesh: `psum` (ZeRO 0/1), or a
    `psum_scatter` over `data` along each tensor's ZeRO dimension (ZeRO 2/3),
    after a `psum` over `seq`.
-3. Gaussian noise of std `jaxdp.noise.noise_std(C, sigma)`, once per logical
-   batch, from the step's key through `jaxdp.noise` exactly as
-   `jaxdp.fused_clip` draws it (`split_step_key`, one key per parameter
-   leaf): a replicated gradient gets the SAME noise as one device; a
-   reduce-scattered one draws its shard from `fold_in(leaf_key, shard)`, so
-   no device generates (or holds) the full noise tensor. Then / expected
-   batch size.
+3. The privatizer (`jaxdp.privatizer.GaussianPrivatizer`, the one `jaxdp.fused_clip`
+   releases through): its state's keys split outside the shard_map (`begin_step`), the
+   noise added and the sums divided by the expected batch size inside (`privatize`): a
+   replicated gradient gets the SAME noise as on one device; a reduce-scattered one draws
+   its shard from `fold_in(leaf_key, shard)`, so no device generates (or holds) the full
+   noise tensor.
 4. The optax optimizer under `jax.jit` with `NamedSharding`s: ZeRO >= 1
    shards its state over `data`; ZeRO 3 keeps parameters sharded and
    all-gathers them inside the shard_map for use.
@@ -69,6 +68,7 @@ from jaxdp import norm_costs
 from jaxdp import norms as norms_lib
 from jaxdp.fused_clip import check_positive, clipped_aggregate
 from jaxdp.per_example import per_example_grads
+from jaxdp.privatizer import GaussianPrivatizer
 from jaxdp.sharding import context_parallel
 from jaxdp.two_pass import two_pass_clipped_sums, weighted_loss_grad
 from jaxdp.sharding.mesh import DATA, SEQ, param_dims, spec_for
@@ -202,9 +202,10 @@ class ShardedDPStep:
         self.zero_stage, self.private, self.method = zero_stage, private, method
         self.allow_low_precision = allow_low_precision  # two_pass below float32: measurements only (jaxdp.two_pass)
         self.pinned_key = noise_lib.check_key(key, "ShardedDPStep")
-        self.secure_noise = noise_lib.check_secure(secure_noise, "ShardedDPStep")
-        self.noise_std = noise_lib.noise_std(l2_norm_clip, noise_multiplier) if private else 0.0
-        self.expected_batch_size = expected_batch_size
+        secure_noise = noise_lib.check_secure(secure_noise, "ShardedDPStep")
+        self.privatizer = (GaussianPrivatizer.for_clip(l2_norm_clip, noise_multiplier, expected_batch_size,
+                                                       secure=secure_noise)
+                           if private else GaussianPrivatizer(0.0, expected_batch_size, secure_noise))
         self.clip_kwargs = dict(clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,
                                 group_weights=group_weights, chunk_size=chunk_size)
         self.l2_norm_clip = l2_norm_clip
@@ -225,7 +226,7 @@ class ShardedDPStep:
                              "build one ShardedDPStep per model")
         self.layout = layout
         _, params, rest = nnx.split(model, nnx.Param, ...)
-        key = noise_lib.init_key(self.pinned_key, params)
+        key = self.privatizer.init(params, self.pinned_key)
         # several processes: each places its own copy; equal only if every host built the same model and key
         agree("ShardedDPStep.init", params=params, rest=rest, noise_key=key)
         shardings = layout.state_shardings
@@ -278,11 +279,7 @@ class ShardedDPStep:
                 s = jax.lax.psum(s, SEQ) if cp_axis is not None else s
                 reduced.append(jax.lax.psum_scatter(s, DATA, scatter_dimension=d, tiled=True))
                 shards.append(shard)
-        if self.noise_std > 0:
-            leaf_keys = leaf_keys * len(reduced) if len(leaf_keys) == 1 else leaf_keys  # secure: the step's key
-            noise = noise_lib.gaussians(leaf_keys, reduced, self.noise_std, shards, secure=self.secure_noise)
-            reduced = [noise_lib.release(s, n, self.noise_std, self.secure_noise) for s, n in zip(reduced, noise)]
-        out = [s / self.expected_batch_size for s in reduced]
+        out = self.privatizer.privatize(reduced, leaf_keys, shards)  # noise, / expected batch size
         return losses, jax.tree.unflatten(treedef, out)
 
     def _clipped_sums(self, loss_fn, graphdef, params, rest, batch):
@@ -309,8 +306,8 @@ class ShardedDPStep:
 
     def _step(self, layout: Layout, state: ShardedDPState, batch):
         num_leaves = len(jax.tree.leaves(state.params))
-        key, leaf_keys = noise_lib.split_step_key(state.noise_key, num_leaves, self.secure_noise)
-        if self.secure_noise:
+        key, leaf_keys = self.privatizer.begin_step(state.noise_key, num_leaves)
+        if self.privatizer.secure:
             leaf_keys = leaf_keys[:1]  # every leaf's is the step's key: passed once, one stream inside
         batch_specs = jax.tree.map(self.batch_spec, batch)
         local = jax.shard_map(
