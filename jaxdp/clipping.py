@@ -69,8 +69,8 @@ MIN_GAMMA = 2.0**-20  # automatic clipping: a norm that underflows to 0 passes a
 def check_gamma(clip_fn: str, gamma) -> None:
     """Automatic clipping's gamma must be >= MIN_GAMMA: an example whose squares all underflow in float32
     (every entry below 2^-63) has a computed norm of 0 and a true norm up to sqrt(size) 2^-63 (< 2^-47 for
-    2^32 entries), which c = C / (0 + gamma) lets through at C * true / gamma (gamma 1e-30: 3e11 C,
-    attacker review 12); gamma >= 2^-20 keeps that below 2^-27 C, inside the rounding allowance."""
+    2^32 entries), which c = C / (0 + gamma) lets through at C * true / gamma (a tiny gamma lets such an
+    example through at many times C); gamma >= 2^-20 keeps that below 2^-27 C, inside the rounding allowance."""
     if clip_fn != "automatic" or isinstance(gamma, jax.core.Tracer):
         return
     if not gamma >= MIN_GAMMA:  # NaN fails too
@@ -144,9 +144,8 @@ def rows_apart(stacked: jax.Array) -> list[jax.Array]:
 
     For the rows of one array that many parameters' updates read (a group's noise draw, the clip factors):
     read as slices of one array, XLA:GPU's sibling multi-output fusion merges all those updates into one
-    kernel. Compiled for an H100 (GPT-2 medium, B 16), eight such kernels each held 12 layers' clipped sums
-    over B, noise and Adam: 255 registers, ~3.5 KB of register spills per thread, 19 GB of the step's
-    memory traffic (and at GPT-2 small, B 4, ~half of the DP step's PTX). The traced index keeps every row's
+    kernel, which then runs out of registers and spills (the deviceless H100 figures are in WORKSPACE.md,
+    "Where medium B 16's time may go"). The traced index keeps every row's
     kernel the same program, compiled once per shape (a constant index would make each row's its own)."""
     rows = []
     for j in range(stacked.shape[0]):

@@ -203,7 +203,7 @@ def _encodable(value: str, where: str, lineno: int, field: str) -> None:
                          f"{value[e.start:e.end]!r}, a lone surrogate escape)") from None
 
 
-# A jsonl field that names a person behind a record (walkthrough: a user left id_field unset with a user_id
+# A jsonl field that names a person behind a record (a user may leave id_field unset with a user_id
 # column). A record's own id ("id", "doc_id") names no one: each document its own unit is then right.
 _PERSON_FIELD = re.compile(r"(^|[^a-z])(user|author|patient|person|customer|client|account|email|owner|sender|"
                            r"speaker|member|employee|student)", re.IGNORECASE)

@@ -289,7 +289,7 @@ def _try_load(path: pathlib.Path, num_docs: int):
         return None  # Unreadable: re-tokenise and overwrite.
     if tokens.ndim != 1 or offsets.shape != (num_docs + 1,) or offsets[-1] != tokens.shape[0]:
         return None
-    for f in (path, _offsets_path(path)):  # written 0644 by versions before attacker review 14: the owner's now
+    for f in (path, _offsets_path(path)):  # older versions wrote 0644: the owner's now
         try:
             if f.stat().st_mode & 0o077:
                 os.chmod(f, 0o600)
@@ -326,7 +326,7 @@ def _tokenise_to_npy(docs, tokenizer, dtype, path: pathlib.Path, progress,
             out[:] = np.memmap(raw, dtype=dtype, mode="r", shape=(count,))
         out.flush()
         del out
-        # mkstemp's 0600 kept: the tokens are the private text's (attacker review 14: 0644 let local users read it).
+        # mkstemp's 0600 kept: the tokens are the private text's (0644 would let local users read it).
         fd_off, tmp_off = tempfile.mkstemp(dir=path.parent, suffix=".offsets.tmp")
         with os.fdopen(fd_off, "wb") as f:
             np.save(f, np.asarray(offsets, np.int64))

@@ -49,7 +49,7 @@ def flatten_grads(grads):
 
 def _check_parameter_shapes(grads, params) -> None:
     """Each gradient's parameter shape must be its parameter's: a summed gradient (no batch axis; with a
-    square kernel its rows would pass as examples: 11 C, attacker review 12) is refused."""
+    square kernel its rows would pass as examples, each clipped to C, and the sum would exceed C) is refused."""
     paths, factored, _ = flatten_grads(grads)
     if params is None:  # a FactoredGrad is per-example by construction; a plain array may be a sum (16 C)
         if not all(is_factored(g) for g in jax.tree.leaves(grads, is_leaf=is_factored)):
@@ -162,8 +162,8 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
 # rounding error that grows with the size (`jaxdp.norms.final_sums_bound`); the clipped contribution
 # IS c_b times the array whose norm was taken. The small ones of every group
 # sit side by side in one block (B, G, W), each group's row zero-padded to the widest, so that their
-# norms and clipped sums are one reduction each for all groups, not one per group or parameter (GPT-2
-# small has 98 of them in 75 per-layer groups: 772 -> 664 kernels in the per-layer step, 661 flat).
+# norms and clipped sums are one reduction each for all groups, not one per group or parameter (fewer
+# kernels and less compile time; counts in WORKSPACE.md).
 _SMALL = 1 << 16  # elements per example below which a materialised gradient joins the block
 
 

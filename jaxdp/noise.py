@@ -25,9 +25,9 @@ key into the next state key and one key per parameter leaf; `gaussians`
 draws each leaf's noise from its key, or, when the leaf is reduce-scattered
 over devices (ZeRO 2/3), each shard draws its own block from
 `fold_in(leaf_key, shard)` so no device generates the full noise tensor.
-`add_noise` is the single-device composition; `jaxdp.fused_clip` and
-`jaxdp.sharding.ShardedDPStep` both draw through these functions, so a
-replicated leaf gets exactly the same noise on a mesh as on one device.
+`jaxdp.privatizer.GaussianPrivatizer` is the one caller of these draws (`jaxdp.fused_clip` and
+`jaxdp.sharding.ShardedDPStep` both release through it), so a replicated leaf gets exactly the same
+noise on a mesh as on one device.
 
 The noise standard deviation is `noise_std(l2_norm_clip, noise_multiplier)`:
 sigma times the sensitivity the clipping guarantees, which is C times
@@ -45,22 +45,19 @@ sigma = 1, the other examples' sum as large as the noise;
 `tests/test_noise_and_accumulation.py::test_floating_point_noise_attack`);
 (2) where s and n cancel, fl32(s + n) is exact and finer than n's own grid, so a
 candidate for which no float32 n gives fl32(s + n) = y is ruled out, whatever
-the noise's distribution (attacker review 9: the wrong candidate ruled out on up
-to 7% of coordinates, the true one never). Either tells the candidates apart
-with certainty. `secure=True` closes both: each value is the sum of
+the noise's distribution (the wrong candidate can be ruled out, the true one
+never). Either tells the candidates apart with certainty. `secure=True` closes both: each value is the sum of
 `SECURE_DRAWS` = 4 normals, each scaled by std before the sum (the mitigation of
 Opacus' `secure_mode`, after Holohan & Braghin 2021, arXiv:2107.10138; scaling
 after the sum left gaps of the multiplier's mantissa, up to 15% of the values
-near 1.4 std, review 9), and `release` rounds s + n to a power-of-two grid
+near 1.4 std), and `release` rounds s + n to a power-of-two grid
 g in (std / 2^(SNAP_BITS+1), std / 2^SNAP_BITS] (Mironov's snapping), so y - s
 spans an interval holding many noise values for every candidate. The rounding
 moves a value by at most g / 2 <= std / 512 beyond float32's own rounding of
-s + n, and the tests above find no difference between the candidates (nor did
-attacker review 10: exclusion, likelihood and held-out tests matched the ideal
-snapped mechanism on every DP path; noise for a bf16 leaf is drawn and added in
-float32, as its ~4,000 bf16 values leaked 10% more than ideal). It is a
-mitigation, not a floating-point proof, and it costs four draws (GPT-2 small,
-B 4, seq 1024, H100 prediction of the Philox version: +2.0 ms of 9.9). The pretraining job releases only the final parameters, from
+s + n, and the tests above find no difference between the candidates (noise for
+a bf16 leaf is drawn and added in float32: bf16 has too few values near any noise
+value). It is a mitigation, not a floating-point proof, and it costs four draws
+(their predicted cost is in WORKSPACE.md). The pretraining job releases only the final parameters, from
 which the exact noisy sums cannot be read back; publish intermediate noisy sums
 only with `secure=True`.
 
@@ -71,9 +68,7 @@ draws from one): the state key is ratcheted by one ChaCha20 block per logical ba
 (`split_step_key`: next key and the step's noise key), and each leaf reads its own words of the
 step key's streams (`_secure_gaussians`; on a GPU the words come from one Triton kernel,
 `jaxdp.pallas.chacha_words`). The secret is the 128-bit key from the operating system's entropy
-(`init_key`), or a pinned one. Cost, predicted for GPT-2 small (B 4, seq 1024, deviceless H100
-compile, WORKSPACE): 11.4 ms per step against 9.9 without secure noise, plus ChaCha20's integer
-work, which the roofline does not count (~50 G operations, ~1.5 ms at half the float32 rate).
+(`init_key`), or a pinned one.
 """
 
 from __future__ import annotations
@@ -105,7 +100,7 @@ SNAP_BITS = 8     # secure=True rounds the released sum to a grid of std / 2^8 .
 _RATCHET = (0xFFFFFFFF,) * 3  # the ChaCha20 nonce that turns a state key into (next key, step key)
 
 
-GUESSABLE_SEED = 2**64  # a pinned seed below it can be found by search (attacker review 18: seed 3, 8 replays)
+GUESSABLE_SEED = 2**64  # a pinned seed below it can be found by search (a small seed is found in a few replays)
 
 
 def guessable_seed(seed: int) -> bool:
@@ -134,7 +129,7 @@ def _words(value: int, count: int) -> np.ndarray:
 def several_processes() -> bool:
     """Whether this is one of several JAX processes; asks nothing of JAX's backends unless
     `jax.distributed` is initialized (asking would start them, and a later `jax.distributed.initialize`
-    would then fail: attacker review 15)."""
+    would then fail)."""
     return jax.distributed.is_initialized() and jax.process_count() > 1
 
 
@@ -150,8 +145,8 @@ def derive_seed(root: int, *path: str | int) -> int:
 
 
 # Noise keys use XLA's RngBitGenerator ("rbg": one HLO op per draw, 128-bit keys) rather than the
-# default threefry, which JAX lowers into ~100 HLO ops per draw: on GPT-2 small's DP step the 13
-# threefry draws of the noise took 43 of 69 s of XLA:GPU compile, the rest of the step 26 s.
+# default threefry, which JAX lowers into ~100 HLO ops per draw: the noise's threefry draws took most of
+# the DP step's XLA:GPU compile (WORKSPACE.md).
 NOISE_IMPL = "rbg"
 
 
@@ -201,7 +196,7 @@ def check_key(key, owner: str) -> jax.Array | None:
 
 def init_key(pinned: jax.Array | None, state) -> jax.Array:
     """The noise key of one `init` call: the `pinned` key (`check_key`), else a fresh secret key per call, so
-    two optimizers (or a re-init) of one transform never share noise (attacker review 12). An init traced
+    two optimizers (or a re-init) of one transform never share noise. An init traced
     under jit / vmap / eval_shape draws its key from the operating system when the program runs
     (`io_callback`: once per call, and once per vmapped member whose `state` differs), never at tracing,
     where one key would serve every call. A vmapped init whose state is the same for every member (not
@@ -308,7 +303,7 @@ def _secure_gaussians(leaf_keys, leaves, std: float, shards) -> list[jax.Array]:
     so no two groups read the same (key, nonce) stream, even where two leaves get equal keys."""
     groups: dict = {}
     for i, (leaf, shard) in enumerate(zip(leaves, shards)):
-        wide = jnp.promote_types(leaf.dtype, jnp.float32)  # bf16 draws take ~4,000 values: too few (review 10)
+        wide = jnp.promote_types(leaf.dtype, jnp.float32)  # bf16 has too few values for noise
         groups.setdefault((id(leaf_keys[i]), id(shard), wide), []).append(i)
     out = [None] * len(leaves)
     for (_, _, wide), members in groups.items():
@@ -333,10 +328,9 @@ def _secure_gaussians(leaf_keys, leaves, std: float, shards) -> list[jax.Array]:
             if sum(length for *_, length in spans) != hi - lo or any(a < 0 or a + length > n for _, a, length in spans):
                 raise RuntimeError(f"secure noise: leaf {i}'s words {spans} are not [{lo}, {hi}) of {per} arrays of "
                                    f"{n}")  # a dynamic slice would clamp silently: overlapping noise
-            # Read through a barrier of the leaf's own, at traced starts (`clipping.rows_apart`'s reasons): read
-            # as slices of XLA's words, 12 layers' updates became one kernel each (GPT-2 medium, B 16, for an
-            # H100: 255 registers, ~1.5 KB of spills); with the Triton words, the tied embedding's spilled 8
-            # bytes. Starts past int32 (over 2^33 values in the group) read by static slices.
+            # Read through a barrier of the leaf's own, at traced starts (`clipping.rows_apart`'s reasons: read
+            # as slices of one array, many leaves' updates merge into one kernel that spills registers).
+            # Starts past int32 (over 2^33 values in the group) read by static slices.
             traced = n <= _MAX_TRACED_START
             if traced:
                 view, starts = jax.lax.optimization_barrier((words, jnp.asarray([a for _, a, _ in spans], jnp.int32)))
@@ -349,7 +343,7 @@ def _secure_gaussians(leaf_keys, leaves, std: float, shards) -> list[jax.Array]:
 
             def draw(d):
                 pieces = [piece(d, k) for k in range(len(spans))]
-                if not pieces:  # a zero-size leaf (attacker review 17)
+                if not pieces:  # a zero-size leaf
                     return jnp.zeros((0,), jnp.uint32)
                 return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 

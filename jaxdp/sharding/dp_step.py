@@ -26,7 +26,7 @@ same noise. The shard_map runs with `check_vma=True`: `per_example_grads`
 creates its zero slots varying over the same manual axes as the activations
 they stand for, and takes no gradient with respect to the replicated
 parameters, so no cotangent comes back implicitly psum-ed over the mesh (the
-pitfall in DESIGN.md); every collective here is explicit.
+pitfall: an extra psum would multiply it by the axis size); every collective here is explicit.
 
 `method="two_pass"` forms the clipped sums of step 1 with
 `jaxdp.two_pass.two_pass_clipped_sums` instead of book-keeping: norms inside
@@ -188,7 +188,7 @@ class ShardedDPStep:
         if private and method == "two_pass" and clipping != "flat":
             raise ValueError(f'method="two_pass" needs clipping="flat", got clipping={clipping!r}; '
                              'use method="bookkeeping" for per-layer or grouped clipping')
-        if private:  # NaN passed `<= 0` checks and then skipped the noise (attacker review 12)
+        if private:  # NaN passes a `<= 0` check, and a NaN std would skip the noise: checked as `> 0`
             check_positive("l2_norm_clip", l2_norm_clip)
             check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
             check_positive("gamma", gamma)

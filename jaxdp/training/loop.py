@@ -225,9 +225,9 @@ def _open_run_dir(p: Prepared, verbose: bool) -> None:
     """The run directory with the run's config, tokenizer and token-cache record, and its checkpoints/
     directory."""
     workdir = p.workdir
-    # Created for the owner alone (attacker review 15): its metrics, samples and a trained tokenizer are private
+    # Created for the owner alone: its metrics, samples and a trained tokenizer are private
     # until the user shares what privacy.json says may be shared. The checkpoints hold the run's root seed
-    # (noise, sampling): the owner's alone even in a workdir that existed before (attacker review 14).
+    # (noise, sampling): the owner's alone even in a workdir that existed before.
     workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
     (workdir / CHECKPOINT_DIR).mkdir(mode=0o700, exist_ok=True)
     (workdir / CHECKPOINT_DIR).chmod(0o700)

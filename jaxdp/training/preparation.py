@@ -113,7 +113,7 @@ class Prepared:
     # label only (`completion_losses`). Single-device step only: the sharded step uses `cp_lm_losses`.
     loss_fn: Callable = dataclasses.field(default=lm_losses, repr=False)
     # Fine-tuning: SHA-256 of the files of config.finetune.init (`tree_sha256`), so that a resume on other
-    # init weights under the same path is refused (attacker review 14); None when pretraining.
+    # init weights under the same path is refused; None when pretraining.
     init_key: str | None = None
     num_units: int = 0                 # N: the training units (windows, documents or users)
 
@@ -160,7 +160,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     root_seed, seed_pinned = _root_seed(config, workdir, meta)
     cfg_json["seed"] = PINNED_SEED if seed_pinned else None  # never the seed itself
     init_key = None
-    if "finetune" in config:  # where and which init weights, so that generation finds these (attacker review 19)
+    if "finetune" in config:  # where and which init weights, so that generation finds these
         init = pathlib.Path(str(config.finetune.init)).expanduser()
         init_key = tree_sha256(init, exclude=workdir)
         cfg_json["finetune"].update(init=os.path.realpath(init), init_sha256=init_key)
@@ -249,7 +249,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
                 "(None sizes it)")
         delta_mechanism = delta - slack
         sigma, pld_interval = _noise_multiplier(config, sampler.sampling_probability, delta_mechanism)
-        if dp.noise_multiplier is not None and dp.target_epsilon is not None:  # else a 0-step run (walkthrough)
+        if dp.noise_multiplier is not None and dp.target_epsilon is not None:  # else a run that cannot take one step
             first = accounting.epsilon(sigma, sampler.sampling_probability, 1, delta_mechanism,
                                        accountant=config.accountant, value_discretization_interval=pld_interval)
             _require(first <= dp.target_epsilon,
@@ -272,7 +272,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     return p if meta is None else _continued(p, meta)
 
 
-# JAX flags that change what a program computes: several processes must agree on them (attacker review 21)
+# JAX flags that change what a program computes: several processes must agree on them
 _JAX_FLAGS = ("jax_default_prng_impl", "jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable",
               "jax_enable_custom_prng")
 

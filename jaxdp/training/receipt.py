@@ -40,7 +40,7 @@ def _unit_note(config) -> str:
 
 
 def _txt_note(config) -> str:
-    """A single .txt corpus's documents are sections of a cut that one paragraph's removal moves (review 14)."""
+    """A single .txt corpus's documents are sections of a cut that one paragraph's removal moves."""
     path = config.data.path
     if path is None or not is_single_text_file(path):
         return ""
@@ -86,7 +86,7 @@ OUTSIDE_THE_GUARANTEE = {
 
 def _init_weights(p) -> dict | None:
     """A fine-tuning run's init weights (`config.finetune.init`: its folder name and SHA-256, not the local
-    path) and what is known of their privacy: their privacy.json, else (attacker review 14) a run
+    path) and what is known of their privacy: their privacy.json, else a run
     directory's config.json, which says whether DP ran and on which data (an init trained on this run's
     data composes with it)."""
     config = p.config
@@ -257,7 +257,7 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
     }
 
 
-# The headline's pointer to the composition (the walkthrough: it was easy to miss)
+# The headline's pointer to the composition (a reader of the headline alone would miss it)
 _WITH_AUDITS_NOTE = "; audits recorded below trained on this run's data: see guarantee_with_audits"
 
 
@@ -278,7 +278,7 @@ def write_privacy_receipt(workdir, receipt: dict) -> dict:
         receipt["guarantee"] = str(receipt.get("guarantee") or "") + _WITH_AUDITS_NOTE
         eps = receipt["epsilon"] + sum(a["claimed_epsilon"] for a in on_data)
         delta = receipt["delta"] + sum(a["delta"] for a in on_data)
-        void = str(receipt.get("guarantee") or "").startswith(GUESSABLE_SEED_NOTE)  # review 19: it said DP
+        void = str(receipt.get("guarantee") or "").startswith(GUESSABLE_SEED_NOTE)  # a void guarantee stays void
         receipt["guarantee_with_audits"] = (GUESSABLE_SEED_NOTE if void else "") + (
             f"({eps:.6g}, {delta:.3g})-DP for the run's data: {len(on_data)} recorded audit(s) trained on it (or "
             "may have), and their released bounds compose with this run (basic composition: epsilons and deltas add)")
