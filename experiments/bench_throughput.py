@@ -89,6 +89,7 @@ def _step_fn(cfg: dict):
     from flax import nnx
 
     import jaxdp
+    import jaxdp.reference
     from jaxdp.models.gpt2 import GPT2, GPT2Config
     from jaxdp.privatizer import GaussianPrivatizer
 

@@ -37,7 +37,7 @@ def loss_fn(model, batch, seq_axis=None):
     """Per-example mean next-token NLL over the GLOBAL sequence (a shard's share under context parallelism)."""
     import optax
 
-    from jaxdp.sharding import context
+    from jaxdp.models import sequence_shards as context
     logits = model(batch["inputs"], seq_axis=seq_axis)
     return context.sequence_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), seq_axis)
 

@@ -41,9 +41,10 @@ from flax import nnx
 from jaxdp import accounting, calibration
 from jaxdp import auditing
 from jaxdp import nn
-from jaxdp.fused_clip import fused_clip
+from jaxdp.aggregation import fused_clip
 from jaxdp.losses import lm_losses
-from jaxdp.noise import derive_seed, noise_key_from_seed, secret_seed
+from jaxdp.noise import noise_key_from_seed
+from jaxdp.seeds import derive_seed, secret_seed
 from jaxdp.per_example import per_example_grads
 from jaxdp.sampling import PoissonSampler
 from jaxdp.terms import DenseTerm, FactoredGrad, LinearTerm, is_factored

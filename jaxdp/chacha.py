@@ -67,16 +67,12 @@ def blocks(key, nonce, counters):
 
 def block_words(key, nonce, num_blocks: int) -> list:
     """Blocks 0 .. num_blocks - 1 of (key, nonce) word by word: 16 arrays (..., num_blocks), array w holding
-    word w of every block (`blocks` transposed). The same keystream words, never interleaved into blocks:
-    what `jaxdp.noise` reads."""
+    word w of every block (`blocks` transposed). The same keystream words, never interleaved into blocks.
+    The reference of `jaxdp.pallas.chacha_words.keystream_words`, which `jaxdp.noise` reads (one Triton
+    kernel on a GPU)."""
     if not 0 < num_blocks <= MAX_BLOCKS:
         raise ValueError(f"a ChaCha20 stream holds {MAX_BLOCKS} blocks of 16 words; asked for {num_blocks}")
     xp = _xp(key, nonce)
-    if xp is not np and np.ndim(key) == 1 and np.ndim(nonce) == 1:
-        from jaxdp.pallas import _common
-        if not _common.resolve_interpret(None):  # a GPU: one Triton kernel (jaxdp.pallas.chacha_words)
-            from jaxdp.pallas import chacha_words
-            return chacha_words.block_words(initial_state(key, nonce), num_blocks)
     words = _block_words(xp, key, nonce, xp.arange(num_blocks, dtype=xp.uint32))
     if xp is np:
         return words

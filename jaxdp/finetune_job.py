@@ -37,6 +37,7 @@ from ml_collections import config_dict
 from jaxdp import data as data_lib
 from jaxdp import finetune, losses, tasks
 from jaxdp import noise as noise_lib
+from jaxdp import seeds
 from jaxdp.models import hf_checkpoint, hf_gpt2, hf_llama
 from jaxdp.models.llama import LlamaConfig
 from jaxdp.training import config as config_lib
@@ -233,7 +234,7 @@ def _hf_vocab(init: str) -> int:
 def load_finetuned(p: Prepared) -> nnx.Module:
     """The run's trained model: the init weights, the method's modules, and `model/params.npz` (or the
     latest checkpoint, for an interrupted run) for the trained parameters."""
-    model = p.build_model(p.derive_seed(noise_lib.INIT))  # trainable values are overwritten below
+    model = p.build_model(p.derive_seed(seeds.INIT))  # trainable values are overwritten below
     if not read_trained(p.workdir, model):
         raise ConfigError(f"{p.workdir} has no checkpoint yet")
     return model

@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 from jaxdp import finetune, losses, nn, noise
-from jaxdp.fused_clip import fused_clip
+from jaxdp.aggregation import fused_clip
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.per_example import per_example_grads
 from jaxdp.two_pass import two_pass_clipped_sums

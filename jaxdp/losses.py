@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxdp.sharding import context
+from jaxdp.models import sequence_shards as context
 
 
 def lm_losses(model: nnx.Module, batch) -> jax.Array:

@@ -5,20 +5,14 @@ who knows the noise key and every other record can replay the clipped sum
 and subtract the noise exactly. The same holds for the Poisson sampling
 draws. So, everywhere in jaxdp:
 
-- Keys and seeds come from the operating system's entropy (`secrets`) unless
-  the user pins one: `fused_clip(key=None)` and `ShardedDPStep(key=None)`
-  draw a fresh key at every `init` (`init_key`), `PoissonSampler(seed=None)`
-  and the pretraining job's `config.seed=None` call `secret_seed()` (on several processes, process 0's
-  draw, broadcast, so all sample and noise alike). A pinned seed reproduces a run bit for bit, and
-  the guarantee then assumes that seed is secret (as Opacus' `secure_mode`).
-- One root seed feeds every use of randomness through `derive_seed(root,
-  domain, ...)`: a SHA-256 of the root and the domain path, so the noise, the
-  sampler's draw of step s (attempt a), the model's initialisation and the
-  samples a run writes are independent streams; no two of them can share a
-  state (unlike `np.random.default_rng([seed, 0, 0])`, which NumPy seeds
-  exactly like `default_rng(seed)`: trailing zeros are dropped).
-- The pretraining job keeps its root seed in the checkpoint only
-  (`jaxdp.training`), never in a file a user would share.
+- Keys come from the operating system's entropy (`secrets`) unless the user pins one:
+  `fused_clip(key=None)` and `ShardedDPStep(key=None)` draw a fresh key at every `init`
+  (`init_key`); seeds (the sampler's, the job's root) are `jaxdp.seeds`'. A pinned key
+  reproduces a run bit for bit, and the guarantee then assumes it is secret (as Opacus'
+  `secure_mode`).
+- The pretraining job derives the noise key from its root seed (`jaxdp.seeds.derive_seed(root,
+  NOISE)`) and keeps the root in the checkpoint only (`jaxdp.training`), never in a file a user
+  would share.
 
 Noise, once per logical batch: `split_step_key(key, n)` splits the state's
 key into the next state key and one key per parameter leaf; `gaussians`
@@ -74,7 +68,6 @@ step key's streams (`_secure_gaussians`; on a GPU the words come from one Triton
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import secrets
 
@@ -85,63 +78,12 @@ from jax.experimental import io_callback
 
 from jaxdp import chacha
 from jaxdp.clipping import SENSITIVITY_FACTOR, rows_apart
+from jaxdp.seeds import secret_seed, seed_words, several_processes
 
-# Domains of the job's randomness (`derive_seed(root, DOMAIN, ...)`).
-NOISE = "noise"
-SAMPLER = "sampler"
-INIT = "init"
-SAMPLES = "samples"
-UNIT_WINDOWS = "unit_windows"  # which windows of each sampled document / user a step trains on
-
-_SEED_BITS = 128
 SECURE_DRAWS = 4  # normals summed per coordinate under secure=True (their sum / sqrt(4) is N(0, 1))
 _MAX_TRACED_START = 2**31 - 1  # secure=True: a leaf's words are read at traced int32 starts up to this
 SNAP_BITS = 8     # secure=True rounds the released sum to a grid of std / 2^8 .. std / 2^9
 _RATCHET = (0xFFFFFFFF,) * 3  # the ChaCha20 nonce that turns a state key into (next key, step key)
-
-
-GUESSABLE_SEED = 2**64  # a pinned seed below it can be found by search (a small seed is found in a few replays)
-
-
-def guessable_seed(seed: int) -> bool:
-    """Whether a pinned `seed` is small enough to search for: with it anyone replays the noise and batches.
-    A seed drawn as `secret_seed()` (128 bits) is below 2^64 with probability 2^-64."""
-    return seed < GUESSABLE_SEED
-
-
-def secret_seed(bits: int = _SEED_BITS) -> int:
-    """A `bits`-bit seed from the operating system's entropy source. On several processes (multi-host),
-    process 0's, broadcast, so every process samples the same batches and adds the same noise (each
-    drew its own before): every process must call it, as SPMD code does."""
-    seed = secrets.randbits(bits)
-    if not several_processes():
-        return seed
-    from jax.experimental import multihost_utils
-    words = np.asarray(multihost_utils.broadcast_one_to_all(_words(seed, -(-bits // 32))))
-    return sum(int(w) << (32 * i) for i, w in enumerate(words)) & ((1 << bits) - 1)
-
-
-def _words(value: int, count: int) -> np.ndarray:
-    """The low `count` 32-bit words of `value`, least significant first."""
-    return np.array([(int(value) >> (32 * i)) & 0xFFFFFFFF for i in range(count)], np.uint32)
-
-
-def several_processes() -> bool:
-    """Whether this is one of several JAX processes; asks nothing of JAX's backends unless
-    `jax.distributed` is initialized (asking would start them, and a later `jax.distributed.initialize`
-    would then fail)."""
-    return jax.distributed.is_initialized() and jax.process_count() > 1
-
-
-def derive_seed(root: int, *path: str | int) -> int:
-    """A 256-bit seed for the stream `path` of `root` (SHA-256; distinct paths give independent seeds)."""
-    h = hashlib.sha256(b"jaxdp.noise.derive_seed/v1")
-    for part in (int(root),) + path:
-        if isinstance(part, (bool, np.bool_)) or not isinstance(part, (str, int, np.integer)):
-            raise TypeError(f"derive_seed path parts must be str or int, got {part!r}")
-        tagged = f"{'s' if isinstance(part, str) else 'i'}:{part}".encode()
-        h.update(len(tagged).to_bytes(8, "little") + tagged)
-    return int.from_bytes(h.digest(), "little")
 
 
 # Noise keys use XLA's RngBitGenerator ("rbg": one HLO op per draw, 128-bit keys) rather than the
@@ -157,7 +99,7 @@ def key_from_seed(seed: int, impl: str | None = None) -> jax.Array:
     a 256-bit seed fills the key data (64 bits for threefry2x32, 128 for rbg).
     """
     shape = jax.random.key_data(jax.random.key(0, impl=impl)).shape
-    return jax.random.wrap_key_data(_words(seed, int(np.prod(shape))).reshape(shape), impl=impl)
+    return jax.random.wrap_key_data(seed_words(seed, int(np.prod(shape))).reshape(shape), impl=impl)
 
 
 def noise_key_from_seed(seed: int) -> jax.Array:
@@ -301,6 +243,7 @@ def _secure_gaussians(leaf_keys, leaves, std: float, shards) -> list[jax.Array]:
     one ChaCha20 fusion for all of GPT-2's replicated leaves (a stream per leaf would compile ~150 of
     them). The stream's nonce is (0 for replicated / 1 for sharded, the group's first leaf, the shard),
     so no two groups read the same (key, nonce) stream, even where two leaves get equal keys."""
+    from jaxdp.pallas import chacha_words  # imports jax.experimental.pallas only when used
     groups: dict = {}
     for i, (leaf, shard) in enumerate(zip(leaves, shards)):
         wide = jnp.promote_types(leaf.dtype, jnp.float32)  # bf16 has too few values for noise
@@ -316,8 +259,7 @@ def _secure_gaussians(leaf_keys, leaves, std: float, shards) -> list[jax.Array]:
         # ChaCha20's words, word by word (16 arrays of N blocks, `chacha.block_words`): draw d reads arrays
         # 4d .. 4d+3 end to end, and a leaf the same span of every draw (no interleaved copy of the words).
         n = max(1, -(-sum(sizes) * SECURE_DRAWS // chacha.WORDS_PER_BLOCK))
-        words = chacha.block_words(jax.random.key_data(leaf_keys[first]), nonce, n)
-        # (on a GPU the words come from one Triton kernel: jaxdp.pallas.chacha_words)
+        words = chacha_words.keystream_words(jax.random.key_data(leaf_keys[first]), nonce, n)  # Triton on a GPU
         per = chacha.WORDS_PER_BLOCK // SECURE_DRAWS
 
         offsets = np.cumsum([0] + sizes)

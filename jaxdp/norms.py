@@ -24,7 +24,7 @@ per-example gradients G_b until the clip factors are known (`store`, what
 makes vmap fast at small B x params): the norm squares them and the clipped
 sum is sum_b c_b G_b, so the clipped-sum GEMM x^T diag(c) g is never run. `norm_costs.plan_stored` picks the
 layers where that saves the most time per byte held, within a budget for
-the bytes held in total (`jaxdp.fused_clip.clipped_aggregate` applies it,
+the bytes held in total (`jaxdp.aggregation.clipped_aggregate` applies it,
 by default with 1/4 of the device's memory; `strategy="store"` stores every
 such layer).
 `strategy="pallas"` computes Linear self pairs with the Pallas kernels of
@@ -258,7 +258,7 @@ def pair_inner(a: Term, b: Term, strategy: str = "auto", *, chunk_size: int = DE
         if isinstance(a, LinearTerm) and a is b:
             return _linear_self_pallas(a, chunk_size)
         strategy = "auto"
-    if strategy == "store":  # stored gradients are `jaxdp.fused_clip.clipped_aggregate`'s; any other pair: auto
+    if strategy == "store":  # stored gradients are `jaxdp.aggregation.clipped_aggregate`'s; any other pair: auto
         strategy = "auto"
     if isinstance(b, DenseTerm) and not isinstance(a, DenseTerm):
         a, b = b, a

@@ -162,7 +162,7 @@ def term_slots(use: _tape.Use):
 
 def use_terms(use: _tape.Use, g, record) -> dict:
     """{parameter name: term} of one use from its output gradient and recorded input (integer records
-    back in their dtype). Below float32, `jaxdp.fused_clip.clipped_aggregate` pins the terms that the
+    back in their dtype). Below float32, `jaxdp.aggregation.clipped_aggregate` pins the terms that the
     norm and the clipped sum read separately (`jaxdp.terms.pinned`: one rounding for both)."""
     if jnp.issubdtype(use.record_dtype, jnp.integer):
         record = record.astype(use.record_dtype)

@@ -18,7 +18,7 @@ by comparing a 128-bit uniform integer with the binomial CDF's exact thresholds
 where a float64 inverse CDF is ~1e-13 off), the subset by Floyd's algorithm
 with exact uniform integers (Lemire's multiply-and-reject). The draw for step s
 (attempt a, see "resample") uses only the ChaCha20 keystream (`jaxdp.chacha`, a
-cryptographically secure generator) keyed by `jaxdp.noise.derive_seed(seed,
+cryptographically secure generator) keyed by `jaxdp.seeds.derive_seed(seed,
 "poisson", s, a)`, so a resumed run reproduces an uninterrupted one exactly with
 no RNG state to save;
 only the seed and the step counter must be restored. `derive_seed` hashes the
@@ -27,7 +27,7 @@ another step.
 
 The seed must be secret: whoever knows it knows every batch, hence which
 examples each noisy sum holds. `seed=None` (the default) draws a 128-bit seed
-from the operating system's entropy (`jaxdp.noise.secret_seed`); a pinned seed
+from the operating system's entropy (`jaxdp.seeds.secret_seed`); a pinned seed
 reproduces the batches and the guarantee then assumes it is kept secret. (The
 formal guarantee also assumes ideal randomness: ChaCha20, not a statistical
 generator such as NumPy's PCG64, whose state some outputs would give away.)
@@ -94,7 +94,7 @@ import operator
 import numpy as np
 
 from jaxdp import binomial, chacha
-from jaxdp import noise as noise_lib
+from jaxdp import seeds
 
 OVERFLOW_MODES = ("truncate", "resample", "error")
 DEFAULT_MAX_OVERFLOW_PROBABILITY = 1e-9
@@ -107,7 +107,7 @@ class KeyStream:
     _CHUNK = 64  # blocks generated at a time (1,024 words)
 
     def __init__(self, seed: int):
-        self._key = noise_lib._words(seed, 8)
+        self._key = seeds.seed_words(seed, 8)
         self._block = 0
         self._buffer = np.zeros(0, np.uint64)
 
@@ -228,7 +228,7 @@ class PoissonSampler:
         binomial tail.
       seed: int >= 0, or None (default) for a secret seed from the operating
         system's entropy. Step s, attempt a draws from
-        `KeyStream(jaxdp.noise.derive_seed(seed, "poisson", s, a))`.
+        `KeyStream(jaxdp.seeds.derive_seed(seed, "poisson", s, a))`.
         Keep a pinned seed secret: it reproduces every batch.
       overflow: what to do when a draw exceeds max_batch_size: "truncate",
         "resample" or "error" (see the module docstring for what each does to
@@ -267,7 +267,7 @@ class PoissonSampler:
             raise ValueError(
                 f"expected_batch_size must be in (0, num_examples] = (0, {num_examples}], "
                 f"got {expected_batch_size!r}")
-        seed = noise_lib.secret_seed() if seed is None else operator.index(seed)
+        seed = seeds.secret_seed() if seed is None else operator.index(seed)
         if seed < 0:
             raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
         if overflow not in OVERFLOW_MODES:
@@ -332,7 +332,7 @@ class PoissonSampler:
     def _draw(self, step: int) -> tuple[np.ndarray, bool]:
         n, b = self.num_examples, self.max_batch_size
         for attempt in range(_MAX_RESAMPLE_ATTEMPTS):
-            rng = KeyStream(noise_lib.derive_seed(self.seed, _DOMAIN, step, attempt))
+            rng = KeyStream(seeds.derive_seed(self.seed, _DOMAIN, step, attempt))
             size = rng.binomial(n, self.sampling_probability)
             chosen = rng.subset(n, size)
             if size <= b:

@@ -118,7 +118,7 @@ def pinned(grad: FactoredGrad) -> FactoredGrad:
     another reads the rounded one: a norm of one rounding and a sum of the other (one example's
     contribution reached 1.0005 C through the output gradients, 1.00002 C through the recorded inputs;
     tests/test_norm_rounding.py). For the parameters whose per-example gradients are not kept
-    (`jaxdp.fused_clip.clipped_aggregate`): a kept G_b has one consumer of (x, g), the GEMM that makes
+    (`jaxdp.aggregation.clipped_aggregate`): a kept G_b has one consumer of (x, g), the GEMM that makes
     it, and pinning its recorded inputs would keep them alive as bf16 buffers next to what the
     backward already holds (XLA would otherwise recompute them inside the GEMM's fusion)."""
     leaves, treedef = jax.tree.flatten(grad)

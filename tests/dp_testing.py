@@ -8,6 +8,7 @@ import numpy as np
 from flax import nnx
 
 import jaxdp
+import jaxdp.reference  # the vmap oracle: not exported by jaxdp
 import jaxdp.losses
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 

@@ -15,6 +15,7 @@ import pytest
 import dp_testing
 from flax import nnx
 from jaxdp import accounting, calibration
+from jaxdp import seeds
 from jaxdp import audit_runs
 from jaxdp import nn
 from jaxdp.training import receipt
@@ -262,7 +263,7 @@ def test_audit_noise_key_is_the_roots_256_bit_noise_key(monkeypatch):
     audit_runs.black_box_audit(_Bigram(0), windows, 97, num_canaries=16, steps=1, batch_size=16,
                                noise_multiplier=1.0, seed=0)
     audit_runs.white_box_audit(num_canaries=64, steps=1, sampling_probability=0.5, noise_multiplier=1.0, seed=0)
-    want = noise.noise_key_from_seed(noise.derive_seed(0, "audit_noise"))
+    want = noise.noise_key_from_seed(seeds.derive_seed(0, "audit_noise"))
     assert len(seen) == 2
     for key in seen:
         assert jax.random.key_impl(key) == jax.random.key_impl(want)

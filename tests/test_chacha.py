@@ -174,3 +174,17 @@ def test_triton_kernel_is_the_block_function():
     assert "chacha20_block_words" in lowered.trace(key, nonce).lower(lowering_platforms=("cuda",)).as_text()
     if jax.default_backend() == "gpu":  # the compiled kernel itself (benchmarks/gpu_session.sh check)
         np.testing.assert_array_equal(np.stack(lowered(key, nonce)), expected)
+
+
+def test_keystream_words_is_the_reference_in_either_implementation():
+    """`jaxdp.pallas.chacha_words.keystream_words`, what the secure noise reads: the kernel (interpreted here)
+    and the jnp rounds both give `jaxdp.chacha.block_words`' words; an unknown implementation is refused."""
+    from jaxdp.pallas import chacha_words
+    rng = np.random.default_rng()
+    key, nonce = rng.integers(0, 2**32, 4, dtype=np.uint32), rng.integers(0, 2**32, 3, dtype=np.uint32)
+    expected = np.stack(chacha.block_words(key, nonce, 40))
+    for implementation in ("xla", "pallas", None):
+        got = chacha_words.keystream_words(jnp.asarray(key), jnp.asarray(nonce), 40, implementation=implementation)
+        np.testing.assert_array_equal(np.stack(got), expected)
+    with pytest.raises(ValueError, match="implementation"):
+        chacha_words.keystream_words(jnp.asarray(key), jnp.asarray(nonce), 40, implementation="cuda")

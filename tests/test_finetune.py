@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import jaxdp
+import jaxdp.reference  # the vmap oracle: not exported by jaxdp
 import jaxdp.losses
 from jaxdp import finetune
 from dp_testing import by_path, lm_batch, lm_loss

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxdp
+import jaxdp.reference  # the vmap oracle: not exported by jaxdp
 from dp_testing import (by_path, clip_between, first_updates_fn, lm_batch, lm_loss, max_rel_err,
                         reference_grads, tiny_gpt2)
 

@@ -15,6 +15,7 @@ from dp_testing import (
 from flax import nnx
 
 import jaxdp
+import jaxdp.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.models.llama import Llama, LlamaConfig, rope_frequencies
 
 # Published parameter counts: Llama 3.2 1B / 3B (tied head), Llama 3.1 8B (untied).

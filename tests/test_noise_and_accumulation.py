@@ -449,7 +449,7 @@ def test_several_processes_share_one_noise_key_and_seed(monkeypatch):
     pinned = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=jax.random.key(3))
     assert pinned.init(params).noise_key is not None and len(sent) == 2  # a pinned key is the user's
     # review 15: 100 bits were broadcast as 3 words (96 bits)
-    assert jaxdp.noise.secret_seed(100) == process_0 % 2**100 and sent[-1].shape == (4,)
+    assert jaxdp.seeds.secret_seed(100) == process_0 % 2**100 and sent[-1].shape == (4,)
     # review 15: without jax.distributed, process_count() (which starts JAX's backends) is not asked
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
-    assert not jaxdp.noise.several_processes() and len(sent) == 3
+    assert not jaxdp.seeds.several_processes() and len(sent) == 3

@@ -222,7 +222,7 @@ def test_large_gradients_carry_the_rounding_bound_of_their_final_sums(kind, stra
     error is relative to each term, not to their tiny total); the contribution must stay within C'."""
     import sys
     from jaxdp.pallas import single_pass
-    fused_clip = sys.modules["jaxdp.fused_clip"]  # the module (jaxdp.fused_clip is the transform)
+    fused_clip = sys.modules["jaxdp.aggregation"]  # the module of jaxdp.fused_clip
     grads = _large_gradients(kind)
     low = 1 - 0.9 * float(jaxdp.norms.final_sums_bound(jnp.ones((), jnp.float32), 2048 * 4096))
     assert 1 - low > clipping_lib.ROUNDING_DELTA  # large enough to matter

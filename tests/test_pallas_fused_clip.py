@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxdp
+import jaxdp.reference  # the vmap oracle: not exported by jaxdp
 from dp_testing import first_updates_fn, lm_loss, max_rel_err
 from jaxdp.terms import DenseTerm, FactoredGrad, LinearTerm, instantiate
 from test_fused_clip_reference import CLIPPINGS, EXPECTED_BATCH_SIZE, RTOL, expected_update, setup
@@ -113,8 +114,8 @@ def test_single_pass_drops_non_finite_examples_like_the_reference(clip_fn):
 
 def test_planted_error_skipping_the_late_drop_is_caught(monkeypatch):
     """Without the recompute after the global drop rule, example 2 leaks into layer a's sum."""
-    from jaxdp.pallas import single_pass
-    monkeypatch.setattr(single_pass, "redo_if_dropped_late", lambda linear_sums, *_: linear_sums)
+    from jaxdp import single_pass_clipping
+    monkeypatch.setattr(single_pass_clipping, "redo_if_dropped_late", lambda linear_sums, *_: linear_sums)
     factored, dense = _two_layer_grads(seed=21)
     expected, _ = jaxdp.reference.clipped_sum(dense, 3.0, clipping="per_layer")
     sums, _ = jaxdp.clipped_aggregate(factored, 3.0, clipping="per_layer", strategy="pallas", chunk_size=2)

@@ -25,6 +25,7 @@ from flax import nnx
 
 from experiments.configs import default
 from jaxdp import noise, sampling, training
+from jaxdp import seeds
 from jaxdp.training import run_dir
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -178,7 +179,7 @@ def test_privacy_receipt_states_what_ran_and_holds_no_secret(reference_run):
     root = run_dir.Checkpointer(workdir / "checkpoints")
     meta = root.restore_meta(root.latest_step())
     root.close()
-    secrets = [meta["root_seed"]] + [noise.derive_seed(meta["root_seed"], d) for d in (noise.NOISE, noise.SAMPLER)]
+    secrets = [meta["root_seed"]] + [seeds.derive_seed(meta["root_seed"], d) for d in (seeds.NOISE, seeds.SAMPLER)]
     assert not [x for x in secrets if len(str(x)) > 6 and str(x) in text]  # the tiny run pins root 0
     assert str(summary["train_loss"])[:8] not in text and str(summary["val_loss"])[:8] not in text
 
@@ -272,7 +273,7 @@ def test_fresh_runs_draw_secret_roots(reference_run, corpus, tmp_path):
         r = receipt.privacy_receipt(cfg, training.prepare(cfg), steps=1, epsilon=1.0, overflowed_steps=0)
         assert r["guarantee"].startswith("NONE as run: config.seed was pinned below 2^64") == voided, seed
         assert "(1, " in r["guarantee"] and "-DP for adding or removing one training" in r["guarantee"], r
-    assert a.sampler.seed == noise.derive_seed(a.root_seed, noise.SAMPLER) != b.sampler.seed
+    assert a.sampler.seed == seeds.derive_seed(a.root_seed, seeds.SAMPLER) != b.sampler.seed
     assert not np.array_equal(a.sampler.sample(0)[0], b.sampler.sample(0)[0])
     workdir, _ = reference_run
     with pytest.raises(training.ConfigError, match="config.seed differs from the root seed kept in the checkpoint"):
@@ -300,11 +301,11 @@ def assert_root_seed_stays_private(workdir, root: int, num_steps: int) -> None:
             key, _ = noise.split_step_key(key, 1)
         return np.asarray(jax.random.key_data(key))
 
-    key0 = noise.noise_key_from_seed(noise.derive_seed(root, noise.NOISE))
+    key0 = noise.noise_key_from_seed(seeds.derive_seed(root, seeds.NOISE))
     np.testing.assert_array_equal(saved_noise_key(workdir), after_steps(key0))
     published = noise.check_key(jax.random.key(0 + 1), "9428dda's noise key")
     assert not np.array_equal(saved_noise_key(workdir), after_steps(published))
-    derived = [noise.derive_seed(root, d) for d in (noise.SAMPLER, noise.NOISE, noise.INIT)]
+    derived = [seeds.derive_seed(root, d) for d in (seeds.SAMPLER, seeds.NOISE, seeds.INIT)]
     key_data = [np.asarray(jax.random.key_data(key0)), after_steps(key0)]
     needles = ([str(x).encode() for x in [root] + derived] + [f"{root:x}".encode()]
                + [k.tobytes() for k in key_data] + [k.byteswap().tobytes() for k in key_data]

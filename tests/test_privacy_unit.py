@@ -18,10 +18,11 @@ from dp_accounting import pld
 from flax import nnx
 
 import jaxdp
+import jaxdp.reference  # the vmap oracle: not exported by jaxdp
 from dp_testing import by_path, max_rel_err, tiny_gpt2
 from jaxdp import data
 from jaxdp.clipping import SENSITIVITY_FACTOR
-from jaxdp.fused_clip import clipped_aggregate
+from jaxdp.aggregation import clipped_aggregate
 from jaxdp.losses import lm_losses
 from jaxdp.terms import group_examples
 

@@ -19,6 +19,7 @@ from dp_testing import (
 from flax import nnx
 
 import jaxdp
+import jaxdp.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.models.remat import REMAT_POLICIES, remat_policy
 

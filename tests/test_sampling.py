@@ -8,7 +8,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from jaxdp import binomial, chacha, noise, sampling
+from jaxdp import binomial, chacha, sampling
+from jaxdp import seeds
 
 # Tolerances are in standard deviations of the statistic under test. With the
 # seeds fixed the tests are deterministic; Z makes a false failure under a
@@ -99,12 +100,12 @@ def test_draw_is_chacha20_of_the_derived_seed():
     # any int >= 0 is a seed.
     seed, step = secrets.randbits(200), secrets.randbelow(2**40)
     sampler = sampling.PoissonSampler(300, 30, seed=seed)
-    stream = sampling.KeyStream(noise.derive_seed(seed, "poisson", step, 0))
+    stream = sampling.KeyStream(seeds.derive_seed(seed, "poisson", step, 0))
     expected = stream.subset(300, stream.binomial(300, 0.1))
     indices, mask = sampler.sample(step)
     np.testing.assert_array_equal(indices[mask], expected)
     words = sampling.KeyStream(seed).words64(40)   # the keystream itself, two 32-bit words per draw
-    raw = chacha.stream(noise._words(seed, 8), np.zeros(3, np.uint32), 80).astype(np.uint64)
+    raw = chacha.stream(seeds.seed_words(seed, 8), np.zeros(3, np.uint32), 80).astype(np.uint64)
     np.testing.assert_array_equal(words, (raw[0::2] << np.uint64(32)) | raw[1::2])
 
 

@@ -22,6 +22,7 @@ from dp_testing import (
 from flax import nnx
 
 import jaxdp
+import jaxdp.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp import two_pass
 from jaxdp.models.llama import Llama, LlamaConfig
 

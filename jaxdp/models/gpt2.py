@@ -26,7 +26,7 @@ from flax import nnx
 from jaxdp import nn
 from jaxdp.models import attention
 from jaxdp.models.remat import remat_block, remat_policy
-from jaxdp.sharding import context
+from jaxdp.models import sequence_shards as context
 
 PRESETS = {
     # name: (n_layer, n_head, d_model)

@@ -1,4 +1,5 @@
-"""ChaCha20 keystream words in one Triton kernel: the GPU path of `jaxdp.chacha.block_words`.
+"""ChaCha20 keystream words in one Triton kernel; `keystream_words` picks it on a GPU and `jaxdp.chacha`'s
+jnp path (the reference) elsewhere.
 
 XLA compiles the 20 unrolled rounds of `jaxdp.chacha` (about 1,600 integer operations per block)
 into one huge elementwise fusion, which XLA:GPU splits into large fusions that move far more
@@ -47,3 +48,20 @@ def block_words(start_16: jax.Array, num_blocks: int, *, interpret: bool | None 
         interpret=_common.resolve_interpret(interpret),
         name="chacha20_block_words",
     )(start_16.astype(jnp.uint32))
+
+
+def keystream_words(key, nonce, num_blocks: int, *, implementation: str | None = None) -> list[jax.Array]:
+    """`jaxdp.chacha.block_words(key, nonce, num_blocks)` for one (key, nonce): 16 arrays (num_blocks,) uint32.
+
+    implementation: "pallas" (the Triton kernel, `block_words`), "xla" (`jaxdp.chacha`'s jnp rounds), or
+    None: "pallas" where Pallas compiles (a GPU), "xla" where it would only interpret. Both give the same
+    words (tests/test_chacha.py)."""
+    if implementation is None:
+        implementation = "xla" if _common.resolve_interpret(None) else "pallas"
+    if implementation == "xla":
+        return chacha.block_words(key, nonce, num_blocks)
+    if implementation != "pallas":
+        raise ValueError(f'implementation must be "pallas", "xla" or None, got {implementation!r}')
+    if not 0 < num_blocks <= chacha.MAX_BLOCKS:
+        raise ValueError(f"a ChaCha20 stream holds {chacha.MAX_BLOCKS} blocks of 16 words; asked for {num_blocks}")
+    return block_words(chacha.initial_state(key, nonce), num_blocks)

@@ -1,30 +1,44 @@
 """Data and sequence parallel DP on jax.sharding meshes: DP-ZeRO stages 0-3, context parallelism, and the
 collective bytes of the compiled step (`collectives`), the longest context that fits (`longest_context`), and
-SPMD over several processes (`processes`: placing, fetching and agreeing on host values)."""
+SPMD over several processes (`processes`: placing, fetching and agreeing on host values).
 
-from jaxdp.sharding import collectives, context, context_parallel, longest_context, processes
-from jaxdp.sharding.dp_step import ShardedDPState, ShardedDPStep
-from jaxdp.sharding.mesh import (
-    DATA,
-    PARTITION_RULES,
-    SEQ,
-    make_mesh,
-    param_specs,
-    shard_dim,
-)
+Names load on first use (PEP 562). `context`, the sequence-shard helpers, now lives in
+`jaxdp.models.sequence_shards` (the models use it and import nothing of the mesh); the old name is kept
+for one release.
+"""
 
-__all__ = [
-    "DATA",
-    "PARTITION_RULES",
-    "SEQ",
-    "ShardedDPState",
-    "ShardedDPStep",
-    "collectives",
-    "context",
-    "context_parallel",
-    "longest_context",
-    "processes",
-    "make_mesh",
-    "param_specs",
-    "shard_dim",
-]
+import importlib
+
+# name -> the module that defines it (a submodule: the name itself).
+_PUBLIC = {
+    "DATA": "jaxdp.sharding.mesh",
+    "PARTITION_RULES": "jaxdp.sharding.mesh",
+    "SEQ": "jaxdp.sharding.mesh",
+    "ShardedDPState": "jaxdp.sharding.dp_step",
+    "ShardedDPStep": "jaxdp.sharding.dp_step",
+    "collectives": None,
+    "context": "jaxdp.models.sequence_shards",  # moved: the module itself, under its old name
+    "context_parallel": None,
+    "longest_context": None,
+    "make_mesh": "jaxdp.sharding.mesh",
+    "param_specs": "jaxdp.sharding.mesh",
+    "processes": None,
+    "shard_dim": "jaxdp.sharding.mesh",
+}
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'jaxdp.sharding' has no attribute {name!r}")
+    home = _PUBLIC[name]
+    module = importlib.import_module(f"jaxdp.sharding.{name}" if home is None else home)
+    value = module if home is None or name == "context" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+__all__ = sorted(_PUBLIC)

@@ -64,9 +64,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp import clipping as clipping_lib
 from jaxdp import noise as noise_lib
+from jaxdp import seeds
 from jaxdp import norm_costs
 from jaxdp import norms as norms_lib
-from jaxdp.fused_clip import check_positive, clipped_aggregate
+from jaxdp.aggregation import check_positive, clipped_aggregate
 from jaxdp.per_example import per_example_grads
 from jaxdp.privatizer import GaussianPrivatizer
 from jaxdp.sharding import context_parallel
@@ -334,7 +335,7 @@ class ShardedDPStep:
 
     def __call__(self, state: ShardedDPState, batch):
         step = self._jit(batch)
-        if noise_lib.several_processes():  # host batches: each process places its own devices' slices
+        if seeds.several_processes():  # host batches: each process places its own devices' slices
             # of the SAME batch: hosts sampling their own would put a unit in two places (sensitivity 2C)
             local = [a for a in jax.tree.leaves(batch) if not (isinstance(a, jax.Array) and not a.is_fully_addressable)]
             agree("ShardedDPStep batch", batch=local)  # NumPy or process-local jax arrays; global ones are one value

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxdp.hlo_cost import target_devices
-from jaxdp.sharding import context
+from jaxdp.models import sequence_shards as context
 from jaxdp.sharding.dp_step import ShardedDPStep
 from jaxdp.sharding.mesh import make_mesh
 

@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxdp import accounting
 from jaxdp import noise as noise_lib
+from jaxdp import seeds
 from jaxdp import norms as norms_lib
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
@@ -149,7 +150,7 @@ def validate_config(config) -> None:
         _positive_int(config, name)
     _require(config.mesh.zero_stage in (0, 1, 2, 3),
              f"config.mesh.zero_stage must be 0, 1, 2 or 3, got {config.mesh.zero_stage!r}")
-    if noise_lib.several_processes():  # hosts.py: one sharded step over every process's devices
+    if seeds.several_processes():  # hosts.py: one sharded step over every process's devices
         _require(mesh_size(config) == jax.device_count(),
                  f"on {jax.process_count()} processes config.mesh.data * config.mesh.seq must be the number of "
                  f"devices of all of them, {jax.device_count()}, got {mesh_size(config)}")

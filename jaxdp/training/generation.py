@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxdp import data as data_lib
 from jaxdp import noise as noise_lib
+from jaxdp import seeds
 from jaxdp.training.config import ConfigError, build_model, model_config
 from jaxdp.training.preparation import Prepared
 from jaxdp.training.run_dir import (
@@ -82,7 +83,7 @@ def write_samples(model, p: Prepared, config) -> None:
         text = prompts[i % len(prompts)]
         prompt = [p.tokenizer.eot_id] + p.tokenizer.encode(text)
         cont = generate(model, prompt, config.sample.tokens,
-                        key=noise_lib.key_from_seed(p.derive_seed(noise_lib.SAMPLES, i)))
+                        key=noise_lib.key_from_seed(p.derive_seed(seeds.SAMPLES, i)))
         parts.append(f"=== sample {i + 1} ===\n[prompt] {text}\n[continuation] {p.tokenizer.decode(cont)}\n")
     (p.workdir / SAMPLES_FILE).write_text("\n".join(parts))
 

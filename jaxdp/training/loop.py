@@ -31,6 +31,7 @@ from flax import nnx
 
 from jaxdp import data as data_lib
 from jaxdp import noise as noise_lib
+from jaxdp import seeds
 from jaxdp import sampling
 from jaxdp.privacy_budget import BudgetTracker
 from jaxdp.training.config import build_model, runs_sharded_step
@@ -243,11 +244,11 @@ def _open_run_dir(p: Prepared, verbose: bool) -> None:
 
 def _build(config, p: Prepared):
     """(model, optimizer, privacy accountant or None for non-DP), each from its own seed."""
-    init_seed = p.derive_seed(noise_lib.INIT)
+    init_seed = p.derive_seed(seeds.INIT)
     model = p.build_model(init_seed) if p.build_model is not None else build_model(p.model_config, init_seed)
     optimizer = make_optimizer(config, model, noise_multiplier=p.noise_multiplier,
                                expected_batch_size=config.batch_size,
-                               noise_key=noise_lib.noise_key_from_seed(p.derive_seed(noise_lib.NOISE)),
+                               noise_key=noise_lib.noise_key_from_seed(p.derive_seed(seeds.NOISE)),
                                accumulation_steps=p.accumulation_steps)
     tracker = None
     if config.dp.enabled:
@@ -311,7 +312,7 @@ def _logical_step(config, p: Prepared, step: int, step_fn, model, optimizer, tra
     k_unit = config.privacy.windows_per_unit  # windows per sampled unit (1: the unit is a window)
     indices, mask = p.sample(step)
     if config.privacy.unit != "window":  # units -> k_unit window slots each, a unit per block
-        stream = sampling.KeyStream(p.derive_seed(noise_lib.UNIT_WINDOWS, step))
+        stream = sampling.KeyStream(p.derive_seed(seeds.UNIT_WINDOWS, step))
         indices, mask = p.train.units_to_windows(indices, mask, k_unit, stream)
     tokens = p.train.get(indices)
     count = int(mask.sum())  # windows

@@ -46,7 +46,7 @@ from flax import nnx
 
 from jaxdp import accounting, calibration
 from jaxdp import data as data_lib
-from jaxdp import noise as noise_lib
+from jaxdp import seeds
 from jaxdp.losses import lm_losses
 from jaxdp.models.gpt2 import GPT2Config
 from jaxdp.models.llama import LlamaConfig
@@ -129,12 +129,12 @@ class Prepared:
 
     @property
     def seed_guessable(self) -> bool:
-        """A pinned root seed below 2^64 (`jaxdp.noise.guessable_seed`): searchable, so a DP run has no guarantee."""
-        return self.seed_pinned and noise_lib.guessable_seed(self.root_seed)
+        """A pinned root seed below 2^64 (`jaxdp.seeds.guessable_seed`): searchable, so a DP run has no guarantee."""
+        return self.seed_pinned and seeds.guessable_seed(self.root_seed)
 
     def derive_seed(self, domain: str, *path: str | int) -> int:
-        """The seed of one use of randomness (`jaxdp.noise.derive_seed` of the root)."""
-        return noise_lib.derive_seed(self.root_seed, domain, *path)
+        """The seed of one use of randomness (`jaxdp.seeds.derive_seed` of the root)."""
+        return seeds.derive_seed(self.root_seed, domain, *path)
 
 
 def prepare(config, *, progress: Callable | None = None) -> Prepared:
@@ -226,7 +226,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
         max_batch_size_from = f"overflow probability < {DEFAULT_MAX_OVERFLOW_PROBABILITY:g} per step"
     try:
         sampler = PoissonSampler(population, config.batch_size, max_batch_size=max_batch_size,
-                                 seed=noise_lib.derive_seed(root_seed, noise_lib.SAMPLER), overflow=dp.overflow)
+                                 seed=seeds.derive_seed(root_seed, seeds.SAMPLER), overflow=dp.overflow)
     except ValueError as e:
         raise ConfigError(f"sampler: {e}") from None
     k = config.accumulation_steps
@@ -412,7 +412,7 @@ def _root_seed(config, workdir: pathlib.Path, meta: dict | None) -> tuple[int, b
         return int(meta["root_seed"]), bool(meta["seed_pinned"])
     if config.seed is not None:
         return int(config.seed), True
-    return noise_lib.secret_seed(), False  # process 0's on every host
+    return seeds.secret_seed(), False  # process 0's on every host
 
 
 _PATH_FIELDS = ("data.path", "data.cache_dir", "finetune.init")  # compared as resolved paths, not as spelled

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxdp import data as data_lib
 from jaxdp import noise as noise_lib
 from jaxdp import reference
-from jaxdp.fused_clip import FusedClipState, fused_clip
+from jaxdp.aggregation import FusedClipState, fused_clip
 from jaxdp.losses import cp_lm_losses, lm_losses
 from jaxdp.per_example import per_example_grads
 from jaxdp.terms import group_examples

@@ -1,4 +1,8 @@
-"""`fused_clip`: per-example clipping, aggregation and Gaussian noise as one optax transform."""
+"""DP aggregation: `clipped_aggregate` (clip each example, sum) and `fused_clip`, the optax transform that
+composes it with the privatizer (`jaxdp.privatizer`: Gaussian noise once per logical batch, / expected batch).
+
+`fused_clip` is exported as `jaxdp.fused_clip`; this module has another name so that the package attribute
+is always the transform, never the module."""
 
 from __future__ import annotations
 
@@ -103,7 +107,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
     single, single_roots = {}, {}  # single_roots: the single-pass parameter's other terms' |T_i| summed
     if strategy == "pallas" and squared_norms_fn is None:
-        from jaxdp.pallas import single_pass as single_pass_lib  # imports jax.experimental.pallas only when used
+        from jaxdp import single_pass_clipping as single_pass_lib  # imports jax.experimental.pallas only when used
         single = single_pass_lib.single_linear_terms(factored, groups)
     dense = {} if squared_norms_fn is not None else _materialized(factored, strategy, chunk_size,
                                                                     memory_budget_bytes, store_budget_bytes)
