@@ -29,10 +29,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxdp import finetune, losses, nn, noise
+from jaxdp import finetune, losses, nn
 from jaxdp.aggregation import fused_clip
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.per_example import per_example_grads
+from jaxdp.privatizer import GaussianPrivatizer
 from jaxdp.two_pass import two_pass_clipped_sums
 
 DP_METHODS = ("bookkeeping", "two_pass")
@@ -102,8 +103,7 @@ def step_memory(config: GPT2Config, method: str, *, dp: bool, batch_size: int, s
             losses, grads = grads_fn(model, batch)
         elif dp:
             losses, sums, _ = sums_fn(model, batch)
-            _, noised = noise.add_noise(sums, jax.random.key(0), noise.noise_std(1.0, 1.0))
-            grads = jax.tree.map(lambda s: s / batch_size, noised)
+            grads, _ = GaussianPrivatizer.for_clip(1.0, 1.0, batch_size).update(sums, jax.random.key(0))
         else:
             losses, grads = nnx.value_and_grad(lambda m: lm_losses(m, batch).sum() / batch_size)(model)
         optimizer.update(model, grads)

@@ -312,13 +312,3 @@ def release(s: jax.Array, noise: jax.Array, std: float, secure: bool = False) ->
     g = snap_grid(std)
     y = s.astype(jnp.promote_types(s.dtype, jnp.float32)) + noise
     return jnp.where(jnp.abs(y) < 2.0**23 * g, jnp.round(y * (1 / g)) * g, y).astype(s.dtype)
-
-
-def add_noise(tree, key: jax.Array, std: float, secure: bool = False):
-    """(next key, `tree` + independent N(0, std^2) noise on every leaf); std = 0 adds nothing.
-    `secure`: see `gaussians` and `release`."""
-    leaves, treedef = jax.tree.flatten(tree)
-    key, leaf_keys = split_step_key(key, len(leaves), secure)
-    if std > 0:
-        leaves = [release(s, n, std, secure) for s, n in zip(leaves, gaussians(leaf_keys, leaves, std, secure=secure))]
-    return key, jax.tree.unflatten(treedef, leaves)

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import jaxdp
+from jaxdp.privatizer import GaussianPrivatizer
 from dp_testing import by_path, clip_between, lm_batch, lm_loss, max_rel_err, reference_grads, tiny_gpt2
 
 SIGMA = 1.3
@@ -287,7 +288,8 @@ def test_floating_point_noise_attack():
     target = rng.standard_normal(d)
     target = (target / np.linalg.norm(target)).astype(np.float32)  # the attacked example, norm C = 1
     ideal = attainable(rng.standard_normal(d) * std, values)   # float64 normals rounded to float32
-    add_noise = jax.jit(jaxdp.noise.add_noise, static_argnums=(2, 3))
+    def add_noise(tree, key, std, secure):  # the privatizer's release at an expected batch of 1: s + noise
+        return jax.jit(GaussianPrivatizer(std, 1.0, secure).update)(tree, key)[::-1]
     rates = {}
     for secure in (False, True):
         key = fresh_key()
@@ -381,10 +383,10 @@ def test_secure_noise_reaches_the_noise():
     bf16 = jax.ShapeDtypeStruct((1 << 16,), jnp.bfloat16)
     (drawn,) = jaxdp.noise.gaussians([fresh_key()], [bf16], 1.0, secure=True)
     assert drawn.dtype == jnp.float32 and np.unique(np.asarray(drawn)).size > 60_000
-    _, released = jaxdp.noise.add_noise(jnp.ones(bf16.shape, jnp.bfloat16), fresh_key(), 1.0, True)
+    released, _ = GaussianPrivatizer(1.0, 1.0, True).update(jnp.ones(bf16.shape, jnp.bfloat16), fresh_key())
     assert released.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match=r"secure noise needs a noise std >= 2\*\*-100"):
-        jaxdp.noise.add_noise(jnp.ones(4), fresh_key(), 1e-37, True)
+        GaussianPrivatizer(1e-37, 1.0, True).update(jnp.ones(4), fresh_key())
 
     class One(nnx.Module):
         def __init__(self):
