@@ -6,6 +6,7 @@ Every step works on any `jaxdp.models` language model `model(tokens_BT) -> logit
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -30,13 +31,45 @@ from jaxdp.sharding import processes
 # ------------------------------------------------------------------ optimizer
 
 
+@dataclasses.dataclass(frozen=True)
+class AdamWPlan:
+    """The run's adamw: cosine schedule with warmup, MultiSteps over `accumulation_steps` micro-batches."""
+    learning_rate: float
+    min_lr_ratio: float
+    warmup_steps: int
+    steps: int
+    b1: float
+    b2: float
+    weight_decay: float
+    accumulation_steps: int = 1
+
+    @classmethod
+    def of(cls, config, accumulation_steps: int | None = None) -> AdamWPlan:
+        return cls(config.learning_rate, config.min_lr_ratio, config.warmup_steps, config.steps, config.b1,
+                   config.b2, config.weight_decay, accumulation_steps or config.accumulation_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class DPPlan:
+    """The run's DP aggregation (`fused_clip`'s settings); None in `_make_tx` for the non-DP baseline."""
+    l2_norm_clip: float
+    noise_multiplier: float
+    expected_batch_size: float
+    clipping: str
+    clip_fn: str
+    strategy: str
+    secure_noise: bool
+
+    @classmethod
+    def of(cls, config, noise_multiplier: float, expected_batch_size: float) -> DPPlan:
+        dp = config.dp
+        return cls(dp.l2_norm_clip, float(noise_multiplier), float(expected_batch_size), dp.clipping, dp.clip_fn,
+                   "auto" if dp.strategy == "reference" else dp.strategy, dp.secure_noise)
+
+
 def _tx_of(config, noise_multiplier: float, expected_batch_size: float, accumulation_steps: int | None):
-    dp = config.dp
-    return _make_tx(accumulation_steps or config.accumulation_steps, config.learning_rate, config.min_lr_ratio,
-                    config.warmup_steps, config.steps, config.b1, config.b2, config.weight_decay,
-                    dp.enabled, dp.l2_norm_clip, float(noise_multiplier), float(expected_batch_size),
-                    dp.clipping, dp.clip_fn, "auto" if dp.strategy == "reference" else dp.strategy,
-                    dp.secure_noise)
+    dp = DPPlan.of(config, noise_multiplier, expected_batch_size) if config.dp.enabled else None
+    return _make_tx(AdamWPlan.of(config, accumulation_steps), dp)
 
 
 def make_optimizer(config, model: nnx.Module, *, noise_multiplier: float, expected_batch_size: float,
@@ -71,20 +104,19 @@ def noise_key_variable(optimizer: nnx.Optimizer) -> nnx.Variable:
 # key is a fixed placeholder, overwritten there (drawing a secret one would be a collective on
 # several processes, and refused under compiled_step_bytes's eval_shape).
 @functools.lru_cache(maxsize=64)
-def _make_tx(k, learning_rate, min_lr_ratio, warmup_steps, steps, b1, b2, weight_decay,
-             dp_enabled, l2_norm_clip, noise_multiplier, expected_batch_size, clipping,
-             clip_fn, strategy, secure_noise) -> optax.GradientTransformation:
-    warmup = min(warmup_steps, max(steps - 1, 0))
+def _make_tx(adamw_plan: AdamWPlan, dp: DPPlan | None) -> optax.GradientTransformation:
+    a, k = adamw_plan, adamw_plan.accumulation_steps
+    warmup = min(a.warmup_steps, max(a.steps - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, learning_rate, warmup, max(steps, warmup + 1), end_value=learning_rate * min_lr_ratio)
-    adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay)
+        0.0, a.learning_rate, warmup, max(a.steps, warmup + 1), end_value=a.learning_rate * a.min_lr_ratio)
+    adamw = optax.adamw(schedule, b1=a.b1, b2=a.b2, weight_decay=a.weight_decay)
     inner = optax.MultiSteps(adamw, k, use_grad_mean=False).gradient_transformation() if k > 1 else adamw
-    if not dp_enabled:
+    if dp is None:
         return inner
     return optax.chain(
-        fused_clip(l2_norm_clip, noise_multiplier, expected_batch_size=expected_batch_size,
-                   key=noise_lib.noise_key_from_seed(0), clipping=clipping, clip_fn=clip_fn, strategy=strategy,
-                   accumulation_steps=k, secure_noise=secure_noise),
+        fused_clip(dp.l2_norm_clip, dp.noise_multiplier, expected_batch_size=dp.expected_batch_size,
+                   key=noise_lib.noise_key_from_seed(0), clipping=dp.clipping, clip_fn=dp.clip_fn,
+                   strategy=dp.strategy, accumulation_steps=k, secure_noise=dp.secure_noise),
         inner)
 
 
@@ -171,10 +203,7 @@ class ShardedTrainer:
         self.model, self.optimizer = model, optimizer
         mesh = sharding.make_mesh(config.mesh.data, config.mesh.seq)
         dp = config.dp
-        inner = _make_tx(1, config.learning_rate, config.min_lr_ratio, config.warmup_steps, config.steps,
-                         config.b1, config.b2, config.weight_decay, False, dp.l2_norm_clip,
-                         float(noise_multiplier), float(config.batch_size), dp.clipping, dp.clip_fn, dp.strategy,
-                         dp.secure_noise)
+        inner = _make_tx(AdamWPlan.of(config, 1), None)  # the step clips and noises; adamw after it
         self.step = sharding.ShardedDPStep(  # the run's noise key, from fused_clip's state in `optimizer`
             cp_lm_losses, inner, mesh, l2_norm_clip=dp.l2_norm_clip, noise_multiplier=float(noise_multiplier),
             expected_batch_size=float(config.batch_size), key=noise_key_variable(optimizer).get_value(),
