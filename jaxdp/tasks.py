@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pathlib
 import tarfile
@@ -184,8 +185,10 @@ def sentiment_accuracy(model: nnx.Module, tokenizer, documents: Sequence[str], *
     """Accuracy of `model` on labelled `sentiment_text` documents: the prediction is the label whose
     continuation (" positive" / " negative") is the more likely after `snippet + PROMPT`.
 
-    Returns {"accuracy", "examples", "positive_fraction"} (the last: of the labels, the majority
-    baseline's reference). Documents that are not `sentiment_text` are skipped; none left: ValueError.
+    Returns {"accuracy", "examples", "label_positive_fraction" (of the true labels),
+    "predicted_positive_fraction" (of the model's predictions), "majority_class_accuracy" (the accuracy of
+    always answering the more frequent true label: the baseline to beat)}. Documents that are not
+    `sentiment_text` are skipped; none left: ValueError.
     """
     pairs = [sp for sp in map(split_text, documents) if sp is not None]
     if not pairs:
@@ -194,5 +197,32 @@ def sentiment_accuracy(model: nnx.Module, tokenizer, documents: Sequence[str], *
     scores = np.stack([continuation_logprobs(model, tokenizer, contexts, " " + label, seq_len=seq_len,
                                              batch_size=batch_size) for label in LABELS], axis=1)
     truth = np.array([LABELS.index(label) for _, label in pairs])
-    return {"accuracy": float((scores.argmax(1) == truth).mean()), "examples": len(pairs),
-            "positive_fraction": float(truth.mean())}
+    predicted = scores.argmax(1)
+    positive = int(truth.sum())
+    return {"accuracy": float((predicted == truth).mean()), "examples": len(pairs),
+            "label_positive_fraction": positive / len(pairs), "predicted_positive_fraction": float(predicted.mean()),
+            "majority_class_accuracy": max(positive, len(pairs) - positive) / len(pairs)}
+
+
+def against_majority(result: dict) -> str:
+    """How a `sentiment_accuracy` result compares with its majority-class baseline, in words.
+
+    "predicts only '<label>'" when every prediction is one class (`predicted_positive_fraction` 0 or 1;
+    None: not known, not checked); else "at the majority-class baseline" when the accuracy is within two
+    standard errors of it (2 sqrt(m (1 - m) / examples), m the baseline: closer than that, the held-out
+    sample cannot tell the model from always answering the majority class), else above or below it by
+    the difference.
+    """
+    accuracy, baseline, n = result["accuracy"], result["majority_class_accuracy"], result["examples"]
+    predicted = result.get("predicted_positive_fraction")
+    if predicted in (0.0, 1.0):
+        positive = result["label_positive_fraction"]
+        majority = predicted == 1.0 and positive >= 0.5 or predicted == 0.0 and positive <= 0.5
+        return (f"predicts only '{LABELS[int(predicted)]}' for every snippet: it has learned no sentiment "
+                f"({'at' if majority else 'below'} the majority-class baseline)")
+    noise = 2 * math.sqrt(baseline * (1 - baseline) / n)
+    if abs(accuracy - baseline) <= noise:
+        return (f"at the majority-class baseline: within 2 standard errors ({noise:.3f}) of it, no sentiment "
+                "shown")
+    return (f"{'above' if accuracy > baseline else 'below'} the majority-class baseline by "
+            f"{abs(accuracy - baseline):.3f} (2 standard errors: {noise:.3f})")

@@ -8,7 +8,9 @@ directory of the pretraining job (privacy.json, metrics, summary with the held-o
 interrupted and resumed equals uninterrupted; bad input is one line before the workdir is touched;
 an HF checkpoint initialises with the GPT-2 tokenizer; an HF Llama checkpoint with the tokenizer.json
 beside it (its own end-of-text token) trains DP-LoRA on q and v, GPT-2-only methods refused; the accuracy's log-probabilities are the
-language model's; the loss counts the label only (config.finetune.loss_after) or, with '', the text.
+language model's, and its label / predicted fractions and majority-class baseline are what they say; the
+loss counts the label only (config.finetune.loss_after) or, with '', the text; a soft prompt that overflows
+the init's positions shortens seq_len (one note, config.json records it); a rerun rewrites no accuracy.
 """
 
 import io
@@ -329,7 +331,7 @@ def _unchanged(workdir):
     ({"finetune.rank": 0}, "config.finetune: rank must be"),
     ({"finetune.lora_targets": ("attn/nope",)}, "matches no"),
     ({"mesh.data": 2}, "single-device step"),
-    ({"finetune.method": "prompt", "finetune.prompt_length": 4}, "prompt_length"),
+    ({"finetune.method": "prompt", "finetune.prompt_length": 32}, r"prompt_length \(32\) leaves no position"),
     ({"finetune.method": "prompt", "seq_len": 24, "finetune.prompt_length": 4, "sample.num": 1}, "sample.num"),
     ({"finetune.loss_after": "\nVerdict:"}, "Verdict:' is followed by no target in any training window"),
 ])
@@ -370,6 +372,29 @@ def test_cli_bad_method_exits_2_with_one_line(task, init_run, tmp_path):
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-2000:]
     assert "config.finetune.method" in lines[0] and not workdir.exists()
+
+
+def test_cli_prompt_notes_the_shortened_seq_len_and_prints_the_baseline(task, init_run, tmp_path):
+    """`experiments.finetune --config.finetune.method=prompt` from a default-shaped init: exit 0, one `note:`
+    line on stderr naming the seq_len that ran, and the accuracy printed against the majority class."""
+    workdir = tmp_path / "cli"
+    flags = [f"--config.{k}={v}" for k, v in dict(TINY, steps=1, checkpoint_every=1, eval_every=1).items()]
+    out = subprocess.run([sys.executable, "-m", "experiments.finetune", f"--config.workdir={workdir}",
+                          f"--config.finetune.init={init_run}", f"--config.data.path={task[0]}",
+                          f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.finetune.method=prompt",
+                          "--config.finetune.prompt_length=4", *flags], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    notes = [line for line in out.stderr.splitlines() if "note:" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: config.seq_len 32 + config.finetune.prompt_length 4"), \
+        out.stderr[-2000:]
+    assert "config.seq_len=28" in notes[0] and json.loads((workdir / "config.json").read_text())["seq_len"] == 28
+    accuracy = json.loads((workdir / "summary.json").read_text())["heldout_accuracy"]
+    lines = out.stdout.splitlines()
+    (i,) = [i for i, line in enumerate(lines) if line.strip().startswith("accuracy")]
+    assert f"{accuracy['accuracy']:.4f} on {accuracy['examples']} held-out snippets (majority class " \
+        f"{accuracy['majority_class_accuracy']:.4f}" in lines[i]
+    assert lines[i + 1].strip() == tasks.against_majority(accuracy)
 
 
 def test_hf_checkpoint_initialises_with_the_gpt2_tokenizer(task, tmp_path):
@@ -445,12 +470,83 @@ def test_hf_llama_checkpoint_trains_lora_with_its_own_tokenizer(task, tmp_path):
 
 
 def test_accuracy_rows_read_the_run(lora_run, tmp_path):
+    """Also a run directory written before the accuracy fields were named for what they count
+    ("positive_fraction": of the labels): the labels' fraction and the baseline, the predictions' unknown."""
     p, summary, accuracy = lora_run
     (row,) = finetune_job.accuracy_rows([p.workdir])
     assert row["method"] == "lora" and row["dp"] and row["epsilon"] == summary["epsilon"] < float("inf")
-    assert row["accuracy"] == accuracy["accuracy"] and row["examples"] == accuracy["examples"] > 0
+    assert {k: row[k] for k in finetune_job.ACCURACY_FIELDS} == accuracy and accuracy["examples"] > 0
     with pytest.raises(ValueError, match="not a finished fine-tuning run"):
         finetune_job.accuracy_rows([tmp_path])
+    old = tmp_path / "old"
+    shutil.copytree(p.workdir, old)
+    stored = json.loads((old / "summary.json").read_text())
+    stored["heldout_accuracy"] = {"accuracy": 0.518, "examples": 1000, "positive_fraction": 0.482}
+    (old / "summary.json").write_text(json.dumps(stored))
+    (row,) = finetune_job.accuracy_rows([old])
+    assert {k: row[k] for k in finetune_job.ACCURACY_FIELDS} == {
+        "accuracy": 0.518, "examples": 1000, "label_positive_fraction": 0.482, "predicted_positive_fraction": None,
+        "majority_class_accuracy": pytest.approx(0.518)}
+
+
+def test_a_rerun_rewrites_no_accuracy(lora_run, task, init_run):
+    """A rerun of a finished run (the job's train, then add_accuracy) leaves its summary.json (held-out
+    accuracy in it) as it is: same bytes, same modification time (set to a day ago first, so a rewrite
+    within the clock's tick is still seen); add_accuracy returns the stored accuracy."""
+    p, _, accuracy = lora_run
+    path = p.workdir / "summary.json"
+    before = path.read_bytes()
+    day_ago = path.stat().st_mtime_ns - 86_400 * 10**9
+    os.utime(path, ns=(day_ago, day_ago))
+    assert finetune_job.add_accuracy(p) == accuracy
+    rerun, summary = run_job(config_of(task, init_run, p.workdir))
+    assert summary["heldout_accuracy"] == finetune_job.add_accuracy(rerun) == accuracy
+    assert path.read_bytes() == before and path.stat().st_mtime_ns == day_ago
+
+
+def test_a_prompt_that_overflows_shortens_seq_len(task, init_run, tmp_path):
+    """The default-shaped case (the init's max positions == config.seq_len, as pretrain_gpt2's default run
+    and the finetune config): prompt tuning trains with seq_len = positions - prompt_length, says so once,
+    config.json records the seq_len that ran, and the accuracy is scored at that length. A prompt that fits
+    changes nothing and says nothing; nor does one refused by a later check."""
+    notes = []
+    config = config_of(task, init_run, tmp_path / "prompt", finetune__method="prompt", finetune__prompt_length=4,
+                       steps=2, checkpoint_every=2)
+    assert config.seq_len == MODEL["max_seq_len"] == 32
+    p = finetune_job.prepare(config, notice=notes.append)
+    assert p.config.seq_len == 28 and config.seq_len == 32  # the caller's config is not modified
+    assert len(notes) == 1 and "config.seq_len=28" in notes[0] and "\n" not in notes[0]
+    p, summary = run_job(config)
+    assert summary["steps"] == 2 and json.loads((p.workdir / "config.json").read_text())["seq_len"] == 28
+    assert finetune_job.load_finetuned(p).soft_prompt.length == 4
+    assert finetune_job.add_accuracy(p)["examples"] > 0
+    fits = []
+    p = finetune_job.prepare(config_of(task, init_run, tmp_path / "fits", finetune__method="prompt",
+                                       finetune__prompt_length=4, seq_len=28), notice=fits.append)
+    assert p.config.seq_len == 28 and fits == []
+    refused = []  # a later check fails: its one-line error, no note before it
+    with pytest.raises(training.ConfigError, match="followed by no target"):
+        finetune_job.prepare(config_of(task, init_run, tmp_path / "refused", finetune__method="prompt",
+                                       finetune__prompt_length=4, finetune__loss_after="\nVerdict:"),
+                             notice=refused.append)
+    assert refused == [] and not (tmp_path / "refused").exists()
+
+
+def test_against_majority_says_what_the_accuracy_means():
+    """Single-class predictions are named; within two standard errors of the majority class is "at" it."""
+    def result(accuracy, predicted, positive=0.482, n=1000):
+        return {"accuracy": accuracy, "examples": n, "label_positive_fraction": positive,
+                "predicted_positive_fraction": predicted, "majority_class_accuracy": max(positive, 1 - positive)}
+    assert tasks.against_majority(result(0.518, 0.0)).startswith("predicts only 'negative' for every snippet")
+    assert "(at the majority-class baseline)" in tasks.against_majority(result(0.518, 0.0))
+    assert "(below the majority-class baseline)" in tasks.against_majority(result(0.482, 1.0))
+    noise = 2 * np.sqrt(0.518 * 0.482 / 1000)  # 0.0316
+    assert tasks.against_majority(result(0.518 + noise - 1e-3, 0.3)).startswith("at the majority-class baseline")
+    assert tasks.against_majority(result(0.601, 0.4)) == \
+        "above the majority-class baseline by 0.083 (2 standard errors: 0.032)"
+    assert tasks.against_majority(result(0.45, 0.6)).startswith("below the majority-class baseline by 0.068")
+    assert tasks.against_majority(result(0.601, None)).startswith("above the majority-class baseline by 0.083")
+    assert tasks.against_majority(result(0.601, 0.4, n=100)).startswith("at the majority-class baseline")
 
 
 def test_accuracy_scores_the_language_model(lora_run):
@@ -466,12 +562,20 @@ def test_accuracy_scores_the_language_model(lora_run):
         ids, n_label = tok.encode(doc), len(tok.encode(" " + label))
         assert ids[-n_label:] == tok.encode(" " + label)  # the document tokenises as context + continuation
         np.testing.assert_allclose(got, _token_logprobs(model, ids)[len(ids) - n_label - 1:].sum(), rtol=1e-5)
+    documents = finetune_job.heldout_documents(p.config)[:12]
     acc = tasks.sentiment_accuracy(model, tok, documents, seq_len=32, batch_size=8)
     contexts = [tasks.split_text(d)[0] + tasks.PROMPT for d in documents]
     scores = [tasks.continuation_logprobs(model, tok, contexts, " " + lab, seq_len=32, batch_size=8)
               for lab in tasks.LABELS]
     truth = [tasks.LABELS.index(tasks.split_text(d)[1]) for d in documents]
-    assert acc["examples"] == 3 and acc["accuracy"] == np.mean(np.argmax(scores, axis=0) == truth)
+    predicted = np.argmax(scores, axis=0)
+    labels = [json.loads(line)["label"] for line in pathlib.Path(p.config.data.path).read_text().splitlines()
+              if json.loads(line)["text"] in documents]  # the jsonl's own label field
+    positive = labels.count("positive")
+    assert len(labels) == 12 and 0 < positive < 12
+    assert acc == {"accuracy": np.mean(predicted == truth), "examples": 12, "label_positive_fraction": positive / 12,
+                   "predicted_positive_fraction": np.mean(predicted == tasks.LABELS.index("positive")),
+                   "majority_class_accuracy": max(positive, 12 - positive) / 12}
 
 
 def _token_logprobs(model, ids):

@@ -45,7 +45,8 @@ def get_config() -> config_dict.ConfigDict:
         c.finetune.adapter_targets = config_dict.placeholder(tuple)  # projections adapters follow; None:
                                              # GPT-2 ('attn/c_proj', 'mlp/c_proj'), Llama ('attn/o_proj', 'mlp/down_proj')
         c.finetune.train_layer_norms = True  # adapter: layer norms train too
-        c.finetune.prompt_length = 20        # prompt: soft-prompt embeddings
+        c.finetune.prompt_length = 20        # prompt: soft-prompt embeddings; seq_len + prompt_length above the
+                                             # model's positions shortens seq_len to fit (a note; config.json)
         c.finetune.side_reduction = 8        # side: side-network width = d_model / side_reduction
         c.finetune.rev_alpha = 0.1           # reversible: stream scales (MEFT's)
         c.finetune.rev_beta = 0.1
