@@ -20,7 +20,7 @@ After training, summary.json gets `heldout_accuracy`: " positive" vs
 " negative" on held-out snippets of a sentiment jsonl (`jaxdp.tasks`), beside
 the majority-class baseline it must beat. A soft prompt that overflows the
 model's positions shortens config.seq_len (a `note:` line; config.json records it).
-The logic lives in `jaxdp.finetune_job`.
+The logic lives in `jaxdp.training.finetune_job`.
 """
 
 import os
@@ -35,7 +35,7 @@ _CONFIG = cli.define_config("config", _DEFAULT, "Fine-tuning config file.")
 
 
 def _print_summary(s: dict, workdir: str, method: str) -> None:
-    from jaxdp import tasks  # imported by main's jaxdp.finetune_job already
+    from jaxdp import tasks  # imported by main's jaxdp.training.finetune_job already
 
     def fmt(x, spec=".4f"):
         return "n/a" if x is None else format(x, spec)
@@ -63,7 +63,8 @@ def _print_summary(s: dict, workdir: str, method: str) -> None:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    from jaxdp import data, finetune_job, training  # after flag parsing: a --help stays fast
+    from jaxdp import data, training  # after flag parsing: a --help stays fast
+    from jaxdp.training import finetune_job
     config = _CONFIG.value
     try:
         prepared = finetune_job.prepare(config, progress=data.stderr_progress,

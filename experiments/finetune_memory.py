@@ -57,7 +57,8 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from jaxdp import finetune_job, finetune_memory, hlo_cost
+    from jaxdp import finetune_memory, hlo_cost
+    from jaxdp.training import finetune_job
     from jaxdp.models.gpt2 import GPT2Config
 
     try:  # bad run directories: one line, before any compile

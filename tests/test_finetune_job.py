@@ -1,4 +1,4 @@
-"""The fine-tuning job (jaxdp.finetune_job, jaxdp.tasks, experiments/finetune.py) on tiny inputs.
+"""The fine-tuning job (jaxdp.training.finetune_job, jaxdp.tasks, experiments/finetune.py) on tiny inputs.
 
 Properties: a synthetic file in the format of the vaderSentiment sdist's Rotten Tomatoes snippets,
 read through the sdist's nested archives, becomes the sentiment jsonl; a tiny GPT-2 run directory
@@ -28,7 +28,8 @@ import pytest
 from flax import nnx
 
 from experiments.configs import finetune as finetune_config
-from jaxdp import finetune, finetune_job, nn, tasks, training
+from jaxdp import finetune, nn, tasks, training
+from jaxdp.training import finetune_job
 from jaxdp.losses import completion_losses, lm_losses
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.hf_gpt2 import save_hf_gpt2

@@ -140,7 +140,8 @@ def test_single_process_jobs_refuse_to_run_once_per_host(monkeypatch):
     their own secret root into one directory; they refuse before reading anything."""
     import importlib.util
 
-    from jaxdp import audit_runs, finetune_job
+    from jaxdp import audit_runs
+    from jaxdp.training import finetune_job
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1")
     configs = {}
     for name in ("finetune", "audit"):

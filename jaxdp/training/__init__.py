@@ -25,7 +25,8 @@ Several hosts (`hosts`) run the same loop together, process 0 writing the run di
 Rerunning with the same config resumes from the latest checkpoint and writes
 exactly the metrics of an uninterrupted run; a different config in the same
 workdir is an error, not a silent mix. `load_for_generation(workdir)` and
-`generate` sample from a finished (or interrupted) run.
+`generate` sample from a finished (or interrupted) run. `finetune_job` is the fine-tuning job on this
+loop (`experiments/finetune.py`).
 """
 
 from jaxdp.training.config import MODEL_FAMILIES

@@ -106,7 +106,7 @@ def load_for_generation(workdir) -> tuple[nnx.Module, data_lib.Tokenizer, dict]:
     model_json = dict({"family": "gpt2"}, **cfg["model"])
     mc = model_config(model_json, tokenizer.vocab_size, dtype=cfg["dtype"], remat=False)
     if "finetune" in cfg:  # model/ holds only the trained parameters: they go on the init weights
-        from jaxdp import finetune_job
+        from jaxdp.training import finetune_job
         model = finetune_job.untrained_model(cfg, mc, workdir)
     else:
         model = build_model(mc, seed=0)  # overwritten by the saved parameters

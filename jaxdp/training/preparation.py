@@ -107,7 +107,7 @@ class Prepared:
     delta_from: str | None             # how delta was chosen
     max_batch_size_from: str           # how sampler.max_batch_size was chosen
     # The model the loop trains, `build_model(seed)`; None: `build_model(model_config, seed)`, a fresh
-    # one. Fine-tuning (`jaxdp.finetune_job`) sets it: pretrained weights, then `jaxdp.finetune.prepare`.
+    # one. Fine-tuning (`jaxdp.training.finetune_job`) sets it: pretrained weights, then `jaxdp.finetune.prepare`.
     build_model: Callable[[int], nnx.Module] | None = dataclasses.field(default=None, repr=False)
     # The per-window loss the step and the validation loss use (`jaxdp.losses`); fine-tuning may count the
     # label only (`completion_losses`). Single-device step only: the sharded step uses `cp_lm_losses`.

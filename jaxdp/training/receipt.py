@@ -163,7 +163,7 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
     size = [f"the number N of training {unit}s"] if bound is None else []  # with a bound nothing follows N
     if init is None:
         given, outside = size + ([] if public_tokenizer else ["the tokenizer"]), dict(OUTSIDE_THE_GUARANTEE)
-    else:  # a fine-tuning run's tokenizer is its init's (jaxdp.finetune_job): as private or public as they are
+    else:  # a fine-tuning run's tokenizer is its init's (jaxdp.training.finetune_job): as private or public as they are
         given = size + ["the init weights" + ("" if public_tokenizer else " and their tokenizer")]
         outside = {k: v for k, v in OUTSIDE_THE_GUARANTEE.items() if not k.startswith(("tokenizer/", "samples.txt"))}
         outside["the init weights (config.finetune.init)"] = f"see init_weights: {init['note']}"

@@ -1,0 +1,146 @@
+"""The package's import rules (WORKSPACE.md, "Layout"): no cycles, models below the DP stack and the mesh,
+host-side privacy code without JAX, a lazy public surface, and no library import of `experiments`.
+
+The graph is read from the source (every `import` of a jaxdp module, at module level or inside a
+function, plus the implicit import of each parent package), so a lazy import that closes a cycle counts.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jaxdp"
+
+# What the models may import: each other, the layers and the tape the layers record on.
+MODELS_MAY_IMPORT = ("jaxdp.models", "jaxdp.nn", "jaxdp._tape", "jaxdp.terms")
+# Host-side privacy code (accounting, sampling, seeds): NumPy only.
+WITHOUT_JAX = ("jaxdp.accounting", "jaxdp.binomial", "jaxdp.calibration", "jaxdp.chacha", "jaxdp.privacy_budget",
+               "jaxdp.sampling", "jaxdp.seeds")
+# What importing a model must not load.
+NOT_WITH_A_MODEL = ("jaxdp.aggregation", "jaxdp.noise", "jaxdp.privatizer", "jaxdp.pallas", "jaxdp.sharding.dp_step",
+                    "jaxdp.training", "jaxdp.finetune")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = f.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the jaxdp modules it imports}, lazy imports and parent packages included."""
+    modules = _modules()
+
+    def resolve(name):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    def with_parents(name):
+        parts = name.split(".")
+        return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("jaxdp"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    targets |= with_parents(resolve(full if full in modules else node.module))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("jaxdp"):
+                        targets |= with_parents(resolve(alias.name))
+        graph[name] = targets - {name} - set(with_parents(name))  # a module's own parents run before it
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_can_fail():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_models_import_neither_the_dp_stack_nor_the_mesh():
+    graph = import_graph()
+    bad = {m: sorted(t for t in targets if t != "jaxdp" and not t.startswith(MODELS_MAY_IMPORT))
+           for m, targets in graph.items() if m.startswith("jaxdp.models")}
+    assert {m: t for m, t in bad.items() if t} == {}
+
+
+def test_no_library_module_imports_experiments():
+    offenders = [str(f.relative_to(ROOT)) for f in PACKAGE.rglob("*.py")
+                 if any(isinstance(n, (ast.Import, ast.ImportFrom)) and any(
+                     (getattr(n, "module", None) or a.name).startswith("experiments") for a in n.names)
+                        for n in ast.walk(ast.parse(f.read_text())))]
+    assert offenders == []
+
+
+def _loaded_after(statement: str) -> set[str]:
+    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return set(out.stdout.split())
+
+
+def test_host_side_privacy_code_imports_no_jax():
+    loaded = _loaded_after("import " + ", ".join(WITHOUT_JAX))
+    assert "jax" not in loaded
+
+
+def test_a_model_loads_without_the_dp_stack():
+    loaded = _loaded_after("import jaxdp.models.gpt2, jaxdp.models.llama")
+    assert sorted(m for m in loaded if m.startswith(NOT_WITH_A_MODEL)) == []
+
+
+def test_the_public_surface():
+    """Every public name resolves; the test oracle is not exported; `jaxdp.fused_clip` is the transform even
+    after its module is imported (a function named like its module would be shadowed by it)."""
+    import jaxdp
+    import jaxdp.aggregation  # noqa: F401
+    for name in jaxdp.__all__:
+        assert getattr(jaxdp, name) is not None, name
+    assert "reference" not in jaxdp.__all__ and callable(jaxdp.fused_clip)
+    with pytest.raises(AttributeError):
+        jaxdp.no_such_name  # noqa: B018
