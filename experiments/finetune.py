@@ -26,8 +26,6 @@ The logic lives in `jaxdp.training.finetune_job`.
 import os
 import sys
 
-from absl import logging
-
 from jaxdp.training import cli
 
 _DEFAULT = os.path.join(os.path.dirname(__file__), "configs", "finetune.py")
@@ -62,7 +60,6 @@ def _print_summary(s: dict, workdir: str, method: str) -> None:
 
 def main(argv):
     del argv
-    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     from jaxdp import data, training  # after flag parsing: a --help stays fast
     from jaxdp.training import finetune_job
     config = _CONFIG.value
