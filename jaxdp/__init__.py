@@ -5,7 +5,7 @@ stack, Pallas or the training job. The test oracle `jaxdp.reference` (vmap per-e
 exported: import it as `from jaxdp import reference`.
 """
 
-import importlib
+from jaxdp._lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -45,17 +45,6 @@ _PUBLIC = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'jaxdp' has no attribute {name!r}")
-    home = _PUBLIC[name]
-    value = importlib.import_module(f"jaxdp.{name}") if home is None else getattr(importlib.import_module(home), name)
-    globals()[name] = value  # a function's name may also be its module's (fused_clip): the function wins
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_PUBLIC))
-
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC)
 
 __all__ = sorted(_PUBLIC)

@@ -7,7 +7,7 @@ Names load on first use (PEP 562). `context`, the sequence-shard helpers, now li
 for one release.
 """
 
-import importlib
+from jaxdp._lazy import lazy_names
 
 # name -> the module that defines it (a submodule: the name itself).
 _PUBLIC = {
@@ -17,7 +17,6 @@ _PUBLIC = {
     "ShardedDPState": "jaxdp.sharding.dp_step",
     "ShardedDPStep": "jaxdp.sharding.dp_step",
     "collectives": None,
-    "context": "jaxdp.models.sequence_shards",  # moved: the module itself, under its old name
     "context_parallel": None,
     "longest_context": None,
     "make_mesh": "jaxdp.sharding.mesh",
@@ -27,18 +26,6 @@ _PUBLIC = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'jaxdp.sharding' has no attribute {name!r}")
-    home = _PUBLIC[name]
-    module = importlib.import_module(f"jaxdp.sharding.{name}" if home is None else home)
-    value = module if home is None or name == "context" else getattr(module, name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, {"context": "jaxdp.models.sequence_shards"})
 
-
-def __dir__():
-    return sorted(set(globals()) | set(_PUBLIC))
-
-
-__all__ = sorted(_PUBLIC)
+__all__ = sorted([*_PUBLIC, "context"])  # context: moved, kept one release
