@@ -144,3 +144,12 @@ def test_the_public_surface():
     assert "reference" not in jaxdp.__all__ and callable(jaxdp.fused_clip)
     with pytest.raises(AttributeError):
         jaxdp.no_such_name  # noqa: B018
+
+
+def test_no_docstring_or_comment_cites_a_review_or_a_commit():
+    """Code text states contracts; review numbers, walkthroughs and commit hashes belong in WORKSPACE.md."""
+    import re
+    pattern = re.compile(r"(attacker )?reviews? \d+|walkthrough|\b[0-9a-f]{7}\b(?=[ ,:;)])|DESIGN\.md")
+    found = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in sorted(PACKAGE.rglob("*.py"))
+             for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []

@@ -97,7 +97,7 @@ def _init_model_and_tokenizer(init: str, kind: str) -> tuple[dict, str]:
             model = dict({"family": "gpt2"}, **run["model"])  # run directories from before `family` are GPT-2
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"config.finetune.init: {path / CONFIG_FILE} is not a run's config ({e!r})") from None
-        if "finetune" in run:  # attacker review 15: a raw KeyError
+        if "finetune" in run:  # one line, not a KeyError deeper down
             raise ConfigError(f"config.finetune.init {init!r} is a fine-tuning run (its {MODEL_DIR}/ holds only the "
                               "parameters its method trained): fine-tune from its own finetune.init "
                               f"({run['finetune'].get('init')!r}) instead")
@@ -273,7 +273,7 @@ def untrained_model(run_config: dict, model_config, workdir) -> nnx.Module:
     """A fine-tuning run's model before its trained parameters are read (`read_trained`): the init weights of
     its config.json (`run_config`) with its method applied; `model_config` the run's (compute settings may
     differ). ConfigError when the init weights are not where the run read them, or not the files it read
-    (their `tree_sha256`, kept in config.json since 2026-11-25). `full` trains every parameter: no init."""
+    (their `tree_sha256`, kept in config.json; older runs lack it). `full` trains every parameter: no init."""
     ft = config_dict.ConfigDict(run_config["finetune"])
     if ft.method == "full":
         return config_lib.build_model(model_config, 0)
