@@ -229,16 +229,21 @@ def test_update_refuses_gradients_that_are_not_per_example():
     """Attacker review 12: `nnx.grad` of the summed loss passed to fused_clip was read as per-example
     gradients (a square kernel's rows as examples: 11 C). With `params` (nnx.Optimizer passes them) a
     gradient whose per-example shape is not its parameter's is refused; so are group weights that are NaN
-    or miss a group."""
+    or miss a group.
+
+    Every check is on shapes and Python values, made while the update traces: the accepted update is
+    traced (`jax.eval_shape`), not run, and the summed gradient is computed jitted (eagerly each of its
+    ops would compile a program of its own)."""
     model, batch, C, grads = setup()
     params = nnx.state(model, nnx.Param)
     tx = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=jax.random.key(0))
-    summed = nnx.grad(lambda m: lm_loss(m, batch).sum())(model)
+    summed = nnx.jit(nnx.grad(lambda m: lm_loss(m, batch).sum()))(model)
     with pytest.raises(ValueError, match="per-example shape .* not their sum"):
         tx.update(summed, tx.init(params), params)
     with pytest.raises(ValueError, match="plain-array gradients without params"):  # review 13: 16 C without
         tx.update(summed, tx.init(params))
-    tx.update(grads, tx.init(params))  # FactoredGrads carry their own shapes
+    accepted, _ = jax.eval_shape(tx.update, grads, tx.init(params))  # FactoredGrads carry their own shapes
+    assert {p: u.shape for p, u in by_path(accepted).items()} == {p: v.shape for p, v in by_path(params).items()}
     for weights, match in (({"rest": float("nan")}, "finite and > 0"), ({}, "no weight for clipping group")):
         tx = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=lambda path: "rest",
                               group_weights=weights, key=jax.random.key(0))
