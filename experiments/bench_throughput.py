@@ -45,8 +45,8 @@ import time
 
 from absl import app, flags
 
-from experiments import _held
-from experiments._rows_merged import rows_merged
+from jaxdp.analysis import held as _held
+from jaxdp.analysis.rows_merged import rows_merged
 from experiments._results import write_results
 
 METHODS = ("non_dp", "explicit", "two_pass", "ghost", "store", "auto", "per_layer", "pallas_flat",
@@ -75,7 +75,7 @@ JOBS = flags.DEFINE_integer("jobs", 1, "processes compiling at once; >1: all com
 WAIT_FOR = flags.DEFINE_string("wait_for", None, "with --jobs > 1: before timing, wait (up to --timeout) until this "
                                 "file exists (e.g. GPU tests run beside the compiles write it when done)")
 PROFILE_DIR = flags.DEFINE_string("profile_dir", None, "also trace 3 steps per configuration (jax.profiler) under "
-                                   "this folder and print where the GPU time goes (experiments/_profile.py)")
+                                   "this folder and print where the GPU time goes (jaxdp/analysis/profile.py)")
 HOLD = flags.DEFINE_boolean("hold", False, "internal: after compiling, print COMPILED and wait for a line on stdin")
 
 
@@ -205,7 +205,7 @@ def run_one(cfg: dict) -> dict:
     if peak is None:
         peak, source = compiled_bytes, "memory_analysis"
     if cfg.get("profile_dir"):
-        from experiments import _profile
+        from jaxdp.analysis import profile as _profile
         log_dir = os.path.join(cfg["profile_dir"], f"{cfg['model']}_{cfg['B']}_{cfg['T']}_{cfg['method']}")
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):
             for _ in range(PROFILED_STEPS):
@@ -266,7 +266,7 @@ def _cells(row, base, predicted: bool) -> list[str]:
 
 def _print_profiles(rows: list[dict]) -> None:
     """Where each step's GPU time goes (ms per step, from the traced steps)."""
-    from experiments._profile import ALL_KINDS as kinds
+    from jaxdp.analysis.profile import ALL_KINDS as kinds
     print("\n| model | B | T | method | GPU busy ms | " + " | ".join(f"{k} ms" for k in kinds) + " | kernels |")
     print("|---|---|---|---|---|" + "---|" * len(kinds) + "---|")
     for row in rows:

@@ -19,9 +19,6 @@ synchronous collectives: no pairs).
 
 from __future__ import annotations
 
-import collections
-import statistics
-
 from absl import app, flags
 
 from experiments import long_context
@@ -31,30 +28,6 @@ from jaxdp.sharding import longest_context
 # The model, mesh, remat, dtype and target flags are long_context's (--models, --seq, --remat, --dtype,
 # --target): every combination gets a table.
 SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "tokens per example")
-
-_COMPUTE = ("fusion", "custom-call", "dot", "convolution")  # opcodes that do the step's work
-
-
-def collective_pairs(hlo_text: str) -> list[dict]:
-    """One dict per collective of the ENTRY computation, in schedule order: kind, operands, the compute
-    instructions scheduled between its start and done (None if synchronous), where it starts (a fraction
-    of the schedule)."""
-    computations, entry, _ = collectives_lib.parse_hlo(hlo_text)
-    instructions = computations[entry]
-    starts, pairs = {}, []
-    for i, (name, _, opcode, rest) in enumerate(instructions):
-        kind = opcode.removesuffix("-start").removesuffix("-done")
-        if kind not in collectives_lib.KINDS:
-            continue
-        if opcode.endswith("-start"):
-            starts[name] = (i, rest.split(")")[0].count("%") or 1)
-        elif opcode.endswith("-done"):
-            j, operands = starts.pop(rest.split(")")[0].strip().lstrip("%"))
-            between = sum(1 for _, _, op, _ in instructions[j + 1:i] if op in _COMPUTE)
-            pairs.append(dict(kind=kind, operands=operands, between=between, at=j / len(instructions)))
-        else:
-            pairs.append(dict(kind=kind, operands=1, between=None, at=i / len(instructions)))
-    return pairs
 
 
 def schedule(model: str, seq: int, T: int, remat: str, dtype: str, target: str | None, private: bool,
@@ -68,24 +41,7 @@ def schedule(model: str, seq: int, T: int, remat: str, dtype: str, target: str |
     step, build = longest_context.make_step(longest_context.make_model(model, T, dtype, remat), private, mesh, 1, 0,
                                             method)
     state = nnx.eval_shape(lambda: step.init(build()))
-    return collective_pairs(step.lower(state, longest_context.make_batch(1, T)).compile().as_text())
-
-
-def table(rows: dict[str, list[dict]]) -> str:
-    lines = ["| program | collective | count | async pairs | most operands in one | compute ops between start "
-             "and done (min / median / max) | pairs with none | starts at (fraction of the schedule) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for program, pairs in rows.items():
-        by_kind = collections.defaultdict(list)
-        for p in pairs:
-            by_kind[p["kind"]].append(p)
-        for kind, ps in sorted(by_kind.items()):
-            between = [p["between"] for p in ps if p["between"] is not None]
-            spread = (f"{min(between)} / {statistics.median(between):g} / {max(between)}" if between else "n/a")
-            lines.append(f"| {program} | {kind} | {len(ps)} | {len(between)} | {max(p['operands'] for p in ps)} | "
-                         f"{spread} | {sum(b == 0 for b in between)} | "
-                         f"{min(p['at'] for p in ps):.2f}-{max(p['at'] for p in ps):.2f} |")
-    return "\n".join(lines)
+    return collectives_lib.collective_pairs(step.lower(state, longest_context.make_batch(1, T)).compile().as_text())
 
 
 def main(argv):
@@ -100,7 +56,7 @@ def main(argv):
                         "DP two-pass": schedule(*args, private=True, method="two_pass")}
                 print(f"\n{model}, T = {SEQ_LEN.value}, mesh 1 x {seq}, remat {remat}, {lc.DTYPE.value}, "
                       f"target {lc.TARGET.value or 'this machine'}")
-                print(table(rows), flush=True)
+                print(collectives_lib.schedule_table(rows), flush=True)
 
 
 if __name__ == "__main__":

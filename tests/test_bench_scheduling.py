@@ -1,4 +1,4 @@
-"""experiments/_held.py (bench_throughput --jobs): every configuration compiles first (at most `jobs` at
+"""jaxdp.analysis.held (bench_throughput --jobs): every configuration compiles first (at most `jobs` at
 once), then each is timed alone, in order, after the --wait_for file exists; a crash or a hang is its own row."""
 
 import json
@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-from experiments import _held
+from jaxdp.analysis import held as _held
 
 # A stand-in for one configuration's child: logs when it compiles and when it is timed.
 FAKE_CHILD = r"""

@@ -1,6 +1,7 @@
-"""experiments/collective_schedule.py reads a scheduled HLO module: async pairs, operands, compute in between."""
+"""jaxdp.sharding.collectives reads a scheduled HLO module: async pairs, operands, compute in between
+(experiments/collective_schedule.py prints it)."""
 
-from experiments import collective_schedule
+from jaxdp.sharding import collectives
 
 HLO = """HloModule m
 
@@ -23,10 +24,10 @@ ENTRY %main (p0: f32[8]) -> f32[2] {
 
 
 def test_pairs_operands_and_compute_between():
-    pairs = collective_schedule.collective_pairs(HLO)  # the ENTRY computation's 8 instructions, not %add's
+    pairs = collectives.collective_pairs(HLO)  # the ENTRY computation's 8 instructions, not %add's
     assert [(p["kind"], p["operands"], p["between"]) for p in pairs] == [
         ("reduce-scatter", 2, 2), ("all-reduce", 1, 0), ("all-gather", 1, None)]
     assert pairs[0]["at"] == 1 / 8
-    lines = collective_schedule.table({"prog": pairs}).splitlines()
+    lines = collectives.schedule_table({"prog": pairs}).splitlines()
     assert lines[2].startswith("| prog | all-gather | 1 | 0 | 1 | n/a | 0 |")
     assert "| prog | reduce-scatter | 1 | 1 | 2 | 2 / 2 / 2 | 0 | 0.12-0.12 |" in lines

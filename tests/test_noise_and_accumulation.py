@@ -157,7 +157,7 @@ def test_each_leaf_reads_its_own_row_of_its_group_draw():
         np.testing.assert_array_equal(r, stacked[j])
 
     # bench_throughput's `auto_merged` (its GPU A/B): the same values, without the barriers
-    from experiments._rows_merged import rows_merged
+    from jaxdp.analysis.rows_merged import rows_merged
     program = lambda: str(jax.make_jaxpr(lambda k: jaxdp.noise.gaussians(k, leaves, std))(keys))
     with rows_merged():
         merged, merged_program = jax.jit(lambda k: jaxdp.noise.gaussians(k, leaves, std))(keys), program()

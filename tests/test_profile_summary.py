@@ -1,10 +1,10 @@
-"""experiments/_profile.py: a step's GPU time from a trace, each kernel counted once."""
+"""jaxdp.analysis.profile: a step's GPU time from a trace, each kernel counted once."""
 
 import gzip
 import json
 import os
 
-from experiments import _profile
+from jaxdp.analysis import profile as _profile
 
 
 def _trace():

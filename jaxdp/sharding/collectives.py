@@ -26,8 +26,10 @@ wire: XLA may pick another algorithm, and on fake CPU devices nothing moves.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
+import statistics
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -163,3 +165,48 @@ def bytes_by_kind(compiled) -> dict[str, float]:
     for c in collectives(compiled):
         totals[c.kind] += c.count * c.bytes_per_device
     return totals
+
+
+# ------------------------------------------------------------------ the schedule of the collectives
+
+_COMPUTE = ("fusion", "custom-call", "dot", "convolution")  # opcodes that do the step's work
+
+
+def collective_pairs(hlo_text: str) -> list[dict]:
+    """One dict per collective of the ENTRY computation, in schedule order: kind, operands, the compute
+    instructions scheduled between its start and done (None if synchronous), where it starts (a fraction
+    of the schedule)."""
+    computations, entry, _ = parse_hlo(hlo_text)
+    instructions = computations[entry]
+    starts, pairs = {}, []
+    for i, (name, _, opcode, rest) in enumerate(instructions):
+        kind = opcode.removesuffix("-start").removesuffix("-done")
+        if kind not in KINDS:
+            continue
+        if opcode.endswith("-start"):
+            starts[name] = (i, rest.split(")")[0].count("%") or 1)
+        elif opcode.endswith("-done"):
+            j, operands = starts.pop(rest.split(")")[0].strip().lstrip("%"))
+            between = sum(1 for _, _, op, _ in instructions[j + 1:i] if op in _COMPUTE)
+            pairs.append(dict(kind=kind, operands=operands, between=between, at=j / len(instructions)))
+        else:
+            pairs.append(dict(kind=kind, operands=1, between=None, at=i / len(instructions)))
+    return pairs
+
+
+def schedule_table(rows: dict[str, list[dict]]) -> str:
+    """A Markdown table of `collective_pairs` per program: counts, async pairs, operands, compute between."""
+    lines = ["| program | collective | count | async pairs | most operands in one | compute ops between start "
+             "and done (min / median / max) | pairs with none | starts at (fraction of the schedule) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for program, pairs in rows.items():
+        by_kind = collections.defaultdict(list)
+        for p in pairs:
+            by_kind[p["kind"]].append(p)
+        for kind, ps in sorted(by_kind.items()):
+            between = [p["between"] for p in ps if p["between"] is not None]
+            spread = (f"{min(between)} / {statistics.median(between):g} / {max(between)}" if between else "n/a")
+            lines.append(f"| {program} | {kind} | {len(ps)} | {len(between)} | {max(p['operands'] for p in ps)} | "
+                         f"{spread} | {sum(b == 0 for b in between)} | "
+                         f"{min(p['at'] for p in ps):.2f}-{max(p['at'] for p in ps):.2f} |")
+    return "\n".join(lines)

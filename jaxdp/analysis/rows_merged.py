@@ -1,6 +1,6 @@
-"""`bench_throughput`'s `auto_merged`: auto as before 3d602f0, for `jaxdp.clipping.rows_apart`'s A/B on a GPU.
+"""`bench_throughput`'s `auto_merged`: auto without `jaxdp.clipping.rows_apart`'s barriers, for its A/B on a GPU.
 
-Apart from bench_throughput so that a test can import it without that main's absl flags."""
+In the library so that a test imports it without bench_throughput's absl flags."""
 
 import contextlib
 
@@ -9,7 +9,7 @@ import contextlib
 def rows_merged():
     """While tracing: rows of the noise draws and clip factors as plain slices, no barrier each.
 
-    XLA:GPU may then merge the updates of all leaves that read one array into one kernel, as before 3d602f0.
+    XLA:GPU may then merge the updates of all leaves that read one array into one kernel, as it did before.
     Trace only a fresh jitted function inside it: jit keeps a program traced here for later calls."""
     from unittest import mock
 
