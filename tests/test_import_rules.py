@@ -134,6 +134,12 @@ def test_a_model_loads_without_the_dp_stack():
     assert sorted(m for m in loaded if m.startswith(NOT_WITH_A_MODEL)) == []
 
 
+def test_a_command_line_parses_its_flags_before_jax_loads():
+    """The jobs import `jaxdp.training.cli` first: a bad flag or --help answers without loading JAX."""
+    loaded = _loaded_after("import jaxdp.training.cli")
+    assert "jax" not in loaded and "jaxdp.training.loop" not in loaded
+
+
 def test_the_public_surface():
     """Every public name resolves; the test oracle is not exported; `jaxdp.fused_clip` is the transform even
     after its module is imported (a function named like its module would be shadowed by it)."""

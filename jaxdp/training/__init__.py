@@ -29,34 +29,29 @@ workdir is an error, not a silent mix. `load_for_generation(workdir)` and
 loop (`experiments/finetune.py`).
 """
 
-from jaxdp.training.config import MODEL_FAMILIES
-from jaxdp.training.config import ConfigError
-from jaxdp.training.config import build_model
-from jaxdp.training.config import model_config
-from jaxdp.training.config import validate_config
-from jaxdp.training.generation import DEFAULT_PROMPTS
-from jaxdp.training.generation import generate
-from jaxdp.training.generation import load_for_generation
-from jaxdp.training.hosts import maybe_initialize_distributed
-from jaxdp.training.loop import train
-from jaxdp.training.preparation import Prepared
-from jaxdp.training.preparation import prepare
-from jaxdp.training.run_dir import read_metrics
-from jaxdp.training.steps import evaluate
+from jaxdp._lazy import lazy_names
 
-__all__ = [
-    "DEFAULT_PROMPTS",
-    "MODEL_FAMILIES",
-    "ConfigError",
-    "Prepared",
-    "build_model",
-    "evaluate",
-    "generate",
-    "load_for_generation",
-    "maybe_initialize_distributed",
-    "model_config",
-    "prepare",
-    "read_metrics",
-    "train",
-    "validate_config",
-]
+# name -> the module that defines it. Loaded on first use (PEP 562): the jobs' command lines import
+# `jaxdp.training.cli` and parse their flags before JAX and the training stack load.
+_PUBLIC = {
+    "DEFAULT_PROMPTS": "jaxdp.training.generation",
+    "MODEL_FAMILIES": "jaxdp.training.config",
+    "ConfigError": "jaxdp.training.config",
+    "Prepared": "jaxdp.training.preparation",
+    "build_model": "jaxdp.training.config",
+    "evaluate": "jaxdp.training.steps",
+    "generate": "jaxdp.training.generation",
+    "load_for_generation": "jaxdp.training.generation",
+    "maybe_initialize_distributed": "jaxdp.training.hosts",
+    "model_config": "jaxdp.training.config",
+    "prepare": "jaxdp.training.preparation",
+    "read_metrics": "jaxdp.training.run_dir",
+    "train": "jaxdp.training.loop",
+    "validate_config": "jaxdp.training.config",
+}
+_SUBMODULES = ("cli", "config", "finetune_job", "generation", "hosts", "loop", "preparation", "receipt", "run_dir",
+               "steps")
+
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, {m: f"{__name__}.{m}" for m in _SUBMODULES})
+
+__all__ = sorted(_PUBLIC)
