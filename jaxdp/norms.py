@@ -293,12 +293,18 @@ def pair_inner(a: Term, b: Term, strategy: str = "auto", *, chunk_size: int = DE
 ROUNDING_SAFETY = 2.0  # lambda in kappa = lambda u sqrt(K)
 
 
+def _sum_and_max(p, q):
+    # One function, not a lambda per call: lax.reduce caches its traced reducer by function, so an
+    # eager row_stats reuses its compiled reduction instead of lowering a new one every call.
+    return p[0] + q[0], jnp.maximum(p[1], q[1])
+
+
 def row_stats(a: jax.Array, dt) -> tuple[jax.Array, jax.Array]:
     """(sum a^2, max |a|) over the last axis, in `dt`, from ONE variadic reduction (one kernel, one
     read of `a`: the step reads every layer's x and g, and every kept G_b, for these)."""
     a = a.astype(dt)
     return jax.lax.reduce((jnp.square(a), jnp.abs(a)), (jnp.zeros((), dt), jnp.zeros((), dt)),
-                          lambda p, q: (p[0] + q[0], jnp.maximum(p[1], q[1])), (a.ndim - 1,))
+                          _sum_and_max, (a.ndim - 1,))
 
 
 def term_stats(term: Term) -> tuple[jax.Array, jax.Array]:
