@@ -338,12 +338,13 @@ def _bf16_step_contributions(clipping, seeds, T=12, strategy="ghost", adapter=Tr
         return finetune.prepare(model, "adapter", rngs=nnx.Rngs(1), bottleneck=8, train_layer_norms=False,
                                 adapter_targets=("mlp/c_proj",)) if adapter else model
 
+    # One transform for every seed: the optimizer's static graph stays equal, so the jitted step traces once.
+    tx = optax.chain(jaxdp.fused_clip(c, 0.0, expected_batch_size=1.0, clipping=clipping, strategy=strategy),
+                     optax.sgd(lr))
     out = []
     for seed in seeds:
         model = random_model(build, seed)
         before = {tuple(p): np.asarray(v.get_value(), np.float64) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-        tx = optax.chain(jaxdp.fused_clip(c, 0.0, expected_batch_size=1.0, clipping=clipping, strategy=strategy),
-                         optax.sgd(lr))
         tokens = np.asarray(jax.random.randint(jax.random.key(100 + seed), (4, T + 1), 0, 97))
         step(model, nnx.Optimizer(model, tx, wrt=nnx.Param), {"tokens": tokens, "mask": np.arange(4) < 1})
         after = {tuple(p): np.asarray(v.get_value(), np.float64) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
