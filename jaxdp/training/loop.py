@@ -200,17 +200,21 @@ class _Throughput:
 
     def measure(self, now: float) -> None:
         self._seconds = max(now - self.t_first - self.t_paused, 0.0)
-        total = self.earlier_tokens + self.tokens
-        self.tokens_per_s = total / max(self.earlier_seconds + self._seconds, 1e-9) if total else 0.0
+        self._rate()
 
     def totals(self) -> dict:
         """Timed tokens and seconds of every process of this run so far (kept in the checkpoint meta)."""
         return {"tokens": self.earlier_tokens + self.tokens, "seconds": self.earlier_seconds + self._seconds}
 
     def resume(self, totals: dict | None) -> None:
+        """Continues the totals of the processes before a resume (the rate is theirs until this one measures)."""
         if totals:
             self.earlier_tokens, self.earlier_seconds = int(totals["tokens"]), float(totals["seconds"])
-            self.tokens_per_s = self.earlier_tokens / max(self.earlier_seconds, 1e-9) if self.earlier_tokens else 0.0
+            self._rate()
+
+    def _rate(self) -> None:
+        total = self.totals()
+        self.tokens_per_s = total["tokens"] / max(total["seconds"], 1e-9) if total["tokens"] else 0.0
 
     def pause_since(self, t: float) -> None:
         self.t_paused += time.perf_counter() - t
