@@ -111,17 +111,15 @@ def read_directory(directory: pathlib.Path) -> list[str]:
             reason = "hidden (a name starting with '.')"
         elif suffix not in DIRECTORY_SUFFIXES:
             reason = f"with suffix {suffix}"
-        elif suffix == "" and not _is_utf8(f):
+        elif (text := _read_text(f, binary_ok=suffix == "")) is None:
             reason = "without a suffix and not UTF-8 text"
+        elif not text.strip():
+            reason = "empty or whitespace only"
         else:
-            text = _read_text(f)
-            if not text.strip():
-                reason = "empty or whitespace only"
-            else:
-                docs.append(text)
-                kind = suffix or "without a suffix"
-                read[kind] = read.get(kind, 0) + 1
-                continue
+            docs.append(text)
+            kind = suffix or "without a suffix"
+            read[kind] = read.get(kind, 0) + 1
+            continue
         skipped[reason] = skipped.get(reason, 0) + 1
     seen = f"read {_counts(read) or 'no file'}; skipped {_counts(skipped) or 'none'}"
     if not docs:
@@ -136,14 +134,6 @@ def read_directory(directory: pathlib.Path) -> list[str]:
 def _counts(counts: dict[str, int]) -> str:
     """'3 .txt, 1 without a suffix' (largest first)."""
     return ", ".join(f"{n} {what}" for what, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def _is_utf8(path: pathlib.Path) -> bool:
-    try:
-        path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def is_single_text_file(path) -> bool:
@@ -182,10 +172,14 @@ def split_text_file(text: str, min_chars: int = TEXT_SECTION_CHARS) -> list[str]
     return sections
 
 
-def _read_text(path: pathlib.Path) -> str:
+def _read_text(path: pathlib.Path, *, binary_ok: bool = False) -> str | None:
+    """The file's UTF-8 text; not UTF-8: None with `binary_ok` (a directory's file without a suffix), else
+    ValueError."""
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
+        if binary_ok:
+            return None
         raise ValueError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
