@@ -20,21 +20,21 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "List the files and delete nothin
 def main(argv):
     del argv
     from jaxdp.training import run_dir
-    record = run_dir.read_json(f"{_WORKDIR.value}/{run_dir.TOKEN_CACHE_FILE}")
-    if record is None:
-        print(f"error: {_WORKDIR.value} has no {run_dir.TOKEN_CACHE_FILE} (not a run directory, or a run from "
-              "before runs recorded their token cache)", file=sys.stderr)
+    try:
+        files = run_dir.token_cache_files(_WORKDIR.value)
+        if _DRY_RUN.value:
+            for entry in files:
+                print(f"{entry['path']}  {entry['bytes']:,} bytes  {entry['split']}  "
+                      f"{'wrote' if entry['wrote'] else 'read'}")
+            return 0
+        deleted = run_dir.delete_token_cache(_WORKDIR.value)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    if _DRY_RUN.value:
-        for entry in record["files"]:
-            print(f"{entry['path']}  {entry['bytes']:,} bytes  {entry['split']}  "
-                  f"{'wrote' if entry['wrote'] else 'read'}")
-        return 0
-    deleted = run_dir.delete_token_cache(_WORKDIR.value)
     for entry in deleted:
         print(f"deleted {entry['path']}  {entry['bytes']:,} bytes")
-    print(f"{len(deleted)} of the {len(record['files'])} token-cache files the run named were there and are "
-          "deleted", flush=True)
+    print(f"{len(deleted)} of the {len(files)} token-cache files the run named were there and are deleted",
+          flush=True)
     return 0
 
 

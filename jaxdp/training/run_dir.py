@@ -266,15 +266,20 @@ def record_token_cache(workdir: pathlib.Path, windows) -> list[dict]:
     return files
 
 
-def delete_token_cache(workdir) -> list[dict]:
-    """Deletes the token-cache files `<workdir>/token_cache.json` names (those that still exist) and returns
-    their entries; nothing else. ValueError when the run directory has no such file."""
+def token_cache_files(workdir) -> list[dict]:
+    """The entries of `<workdir>/token_cache.json` (`record_token_cache`). ValueError when there is none."""
     record = read_json(pathlib.Path(workdir) / TOKEN_CACHE_FILE)
     if record is None:
         raise ValueError(f"{workdir} has no {TOKEN_CACHE_FILE}: not a run directory, or a run from before runs "
                          "recorded their token cache")
+    return record.get("files", [])
+
+
+def delete_token_cache(workdir) -> list[dict]:
+    """Deletes the token-cache files `<workdir>/token_cache.json` names (those that still exist) and returns
+    their entries; nothing else. ValueError when the run directory has no such file."""
     deleted = []
-    for entry in record.get("files", []):
+    for entry in token_cache_files(workdir):
         f = pathlib.Path(entry["path"])
         if f.is_file() and not f.is_symlink():
             f.unlink()
