@@ -70,7 +70,7 @@ STEP_METHODS=explicit,ghost,auto,per_layer,pallas_flat,pallas_per_layer
 
 # Every issue-13 target in one call: 23 processes compile 8 at a time (the GPU checks run beside them), then
 # each is timed alone. Compile times from this stage are contended; the `compile` stage measures them alone.
-# auto_merged: auto without jaxdp.clipping.rows_apart (as before 3d602f0), its A/B in the same call.
+# auto_merged: auto without jaxdp.clipping.rules.rows_apart (as before 3d602f0), its A/B in the same call.
 TARGETS=small:4:1024:explicit+auto+auto_merged+per_layer+pallas_per_layer,small:16:1024:explicit+auto+per_layer+pallas_per_layer
 TARGETS+=,small:1:16384:explicit+auto,medium:4:1024:explicit+auto+per_layer,medium:16:1024:explicit+auto+auto_merged+per_layer
 CHECKS=(tests/test_pallas_kernels.py tests/test_pallas_fused_clip.py tests/test_norm_rounding.py)

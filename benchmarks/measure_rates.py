@@ -1,4 +1,4 @@
-"""Measures the device rates the `strategy="auto"` cost model uses (`jaxdp.device_rates`).
+"""Measures the device rates the `strategy="auto"` cost model uses (`jaxdp.clipping.device_rates`).
 
     python -m benchmarks.measure_rates            # prints one table row and a JSON line
 
@@ -7,7 +7,7 @@ iterations, so host dispatch does not count), after a warm-up:
   - a square GEMM in bfloat16 (float32 accumulation) and in float32 at
     HIGHEST precision (IEEE, no TF32), FLOP/s;
   - a copy (read + write) of a large float32 array, bytes/s.
-Median of `--repeats`. Paste the row into `jaxdp/device_rates.py` with the
+Median of `--repeats`. Paste the row into `jaxdp/clipping/device_rates.py` with the
 device, JAX version, date and this command.
 """
 

@@ -10,12 +10,12 @@ Black box: m random-token sequences, each added to the default config's
 training windows with probability 1/2; one DP-Adam run of `config.steps`
 steps at `config.batch_size`, sigma calibrated to `config.dp.target_epsilon`;
 each canary scored by its loss drop. White box: m gradient canaries on the
-real DP step (`jaxdp.audit_runs.white_box_audit`). Either way the step runs
+real DP step (`jaxdp.auditing.runs.white_box_audit`). Either way the step runs
 the config's clipping, clip_fn, secure_noise and accountant, the claim is the
 accountant's epsilon (default 2: a claim of 8 is beyond what 1,000 canaries can
 ever show, the "max attainable" line) and the audit's 95% lower bound must not
 exceed it; one that does is evidence of a bug (exit status 1). A bound below the
-claim proves nothing. The logic lives in `jaxdp.auditing` and `jaxdp.audit_runs`.
+claim proves nothing. The logic lives in `jaxdp.auditing.bound` and `jaxdp.auditing.runs`.
 """
 
 import os
@@ -31,7 +31,9 @@ _CONFIG = cli.define_config("config", _DEFAULT, "Audit config file.")
 
 
 def _black_box(config):
-    from jaxdp import audit_runs, data, training
+    from jaxdp import training
+    from jaxdp.auditing import runs as audit_runs
+    from jaxdp.data import windows as data
     docs = data.load_documents(config.data.path)
     tokenizer = data.make_tokenizer(config.data.tokenizer, docs)
     train = data.TokenWindows(docs, tokenizer, config.seq_len, split="train",
@@ -66,7 +68,7 @@ def _mechanism(config) -> dict:
 
 
 def _white_box(config):
-    from jaxdp import audit_runs
+    from jaxdp.auditing import runs as audit_runs
     result = audit_runs.white_box_audit(
         num_canaries=config.audit.num_canaries, num_examples=config.audit.white_box_examples,
         steps=config.audit.white_box_steps, target_epsilon=config.dp.target_epsilon,
@@ -79,7 +81,7 @@ def _white_box(config):
 def main(argv):
     del argv
     config = _CONFIG.value
-    from jaxdp import audit_runs
+    from jaxdp.auditing import runs as audit_runs
     from jaxdp.training import receipt
     kinds = {"black_box": _black_box, "white_box": _white_box}
     try:  # before the audit: a bad config or record_in must not cost a whole run

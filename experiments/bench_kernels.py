@@ -61,7 +61,7 @@ def _methods():
     import jax.numpy as jnp
 
     from jaxdp import pallas as jp
-    from jaxdp import norms
+    from jaxdp.clipping import norms
 
     fn = lambda sq: jnp.minimum(1.0, 1.0 / jnp.sqrt(sq))
     inst = lambda x, g: norms._per_example(lambda a, b: norms._linear_instantiate(a, b, a, b), (x, g), NORM_CHUNK)
@@ -85,7 +85,7 @@ def _counts(B, T, P, D, itemsize):
     once (float32); tile re-reads of x and g (which L2 mostly absorbs) are not
     counted, so these are lower bounds.
     """
-    from jaxdp.norm_costs import pair_cost
+    from jaxdp.clipping.norm_costs import pair_cost
     from jaxdp.pallas import _common, ghost_norms, linear_norms, single_pass
 
     io = B * T * (P + D) * itemsize  # x and g read once

@@ -7,7 +7,7 @@
 Configurations are `model:micro_batch:seq_len` (default: GPT-2 small at seq 1024 with
 micro-batch 4 and 16, and at seq 16384 with micro-batch 1). Methods (flat clipping unless named):
   non_dp            ordinary step, mean loss, Adam: the baseline (cuDNN attention on GPU, as every method)
-  explicit          jax.vmap(jax.grad) per-example gradients (jaxdp.reference; jax_privacy / Opacus style)
+  explicit          jax.vmap(jax.grad) per-example gradients (jaxdp.core.reference; jax_privacy / Opacus style)
   two_pass          jaxdp.two_pass_clipped_sums: norms inside the backward, then a clip-weighted backward
   ghost             fused_clip, strategy="ghost" (book-keeping: norms from kept x, g; one clipped GEMM per layer)
   store             fused_clip, strategy="store" (per-example gradients kept: no clipped-sum GEMM)
@@ -25,8 +25,8 @@ back to back with one sync per repeat, as a training loop dispatches them.
 Peak memory: device.memory_stats()["peak_bytes_in_use"] where the backend
 reports it, else the compiled step's memory_analysis(). With
 `--target`, nothing runs: each row is the compiled step's bytes, its FLOPs,
-bytes and kernel launches read from the optimized HLO (`jaxdp.hlo_cost`),
-their roofline time with the target's rates (`jaxdp.device_rates`), the
+bytes and kernel launches read from the optimized HLO (`jaxdp.analysis.hlo_cost`),
+their roofline time with the target's rates (`jaxdp.clipping.device_rates`), the
 kernels ptxas gives 255 registers or register spills (memory-bound kernels
 that run below the roofline's rate) and the compile time on this machine.
 """
@@ -45,15 +45,15 @@ import time
 
 from absl import app, flags
 
+from experiments._results import write_results
 from jaxdp.analysis import held as _held
 from jaxdp.analysis.rows_merged import rows_merged
-from experiments._results import write_results
 
 METHODS = ("non_dp", "explicit", "two_pass", "ghost", "store", "auto", "per_layer", "pallas_flat",
            "pallas_per_layer")
 PROFILED_STEPS = 3
 SECURE = "auto_secure"  # auto with fused_clip(secure_noise=True); on request (--methods), not in the default grid
-MERGED = "auto_merged"  # auto as before 3d602f0 (no jaxdp.clipping.rows_apart): its A/B on the same GPU, on request
+MERGED = "auto_merged"  # auto as before 3d602f0 (no jaxdp.core.rows.rows_apart): its A/B on the same GPU, on request
 CONFIGS = flags.DEFINE_list("configs", ["small:4:1024", "small:16:1024", "small:1:16384"],
                             "model:micro_batch:seq_len of GPT-2 presets, optionally :method+method+... "
                             "(that configuration's methods instead of --methods)")
@@ -89,9 +89,10 @@ def _step_fn(cfg: dict):
     from flax import nnx
 
     import jaxdp
-    import jaxdp.reference
+    import jaxdp.core.reference
+    from jaxdp.clipping.rules import noise_std
     from jaxdp.models.gpt2 import GPT2, GPT2Config
-    from jaxdp.privatizer import GaussianPrivatizer
+    from jaxdp.noise.privatizer import GaussianPrivatizer
 
     method, B, T = cfg["method"], cfg["B"], cfg["T"]
 
@@ -123,12 +124,12 @@ def _step_fn(cfg: dict):
         if method == "non_dp":
             return nnx.grad(lambda m: losses_fn(m, batch).mean())(model)
         if method == "explicit":
-            _, per_example = jaxdp.reference.per_example_grads(losses_fn, model, batch)
+            _, per_example = jaxdp.core.reference.per_example_grads(losses_fn, model, batch)
             flat = list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
             return nnx.from_flat_state([(p, v.replace(per_example[tuple(p)])) for p, v in flat])
         if method == "two_pass":
             _, sums, _ = two_pass(model, batch)
-            return GaussianPrivatizer.for_clip(C, sigma, expected_B).update(sums, key)[0]
+            return GaussianPrivatizer(noise_std(C, sigma), expected_B).update(sums, key)[0]
         return grads_fn(model, batch)[1]
 
     @jax.jit
@@ -147,7 +148,7 @@ def _step_fn(cfg: dict):
     if cfg.get("target"):
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        from jaxdp.hlo_cost import target_devices
+        from jaxdp.analysis.hlo_cost import target_devices
         sharding = NamedSharding(Mesh(target_devices(cfg["target"], 1), ("x",)), PartitionSpec())
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                             (abstract_state, jax.ShapeDtypeStruct((B, T + 1), jnp.int32), jax.random.key(2)))
@@ -174,7 +175,8 @@ def run_one(cfg: dict) -> dict:
         print("COMPILED", flush=True)
         sys.stdin.readline()
     if cfg.get("target"):
-        from jaxdp import device_rates, hlo_cost
+        from jaxdp.analysis import hlo_cost
+        from jaxdp.clipping import device_rates
         rates = device_rates.H100
         cost = hlo_cost.step_cost(compiled)
         try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from absl import app, flags
 
 from experiments import long_context
-from jaxdp.sharding import collectives as collectives_lib
+from jaxdp.analysis import collectives as collectives_lib
 from jaxdp.sharding import longest_context
 
 # The model, mesh, remat, dtype and target flags are long_context's (--models, --seq, --remat, --dtype,
@@ -34,7 +34,7 @@ def schedule(model: str, seq: int, T: int, remat: str, dtype: str, target: str |
              method: str = "bookkeeping") -> list[dict]:
     from flax import nnx
 
-    from jaxdp.hlo_cost import target_devices
+    from jaxdp.analysis.hlo_cost import target_devices
     from jaxdp.sharding import make_mesh
 
     mesh = make_mesh(1, seq, devices=target_devices(target, seq))

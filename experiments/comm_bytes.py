@@ -8,7 +8,7 @@ with the same ZeRO stage: DP (per-example gradients, clipping, noise) and
 `private=False` (the mean-loss gradient by ordinary autodiff, same layout
 and reductions). Each is lowered and compiled (nothing runs); its
 collectives are read from the optimized HLO by
-`jaxdp.sharding.collectives.bytes_by_kind` (ring formulas: see that
+`jaxdp.analysis.collectives.bytes_by_kind` (ring formulas: see that
 module). Without accelerators, 8 fake CPU devices are used. The markdown
 table is printed; --out also writes JSON.
 """
@@ -37,7 +37,7 @@ def loss_fn(model, batch, seq_axis=None):
     """Per-example mean next-token NLL over the GLOBAL sequence (a shard's share under context parallelism)."""
     import optax
 
-    from jaxdp.models import sequence_shards as context
+    from jaxdp.core import sequence_shards as context
     logits = model(batch["inputs"], seq_axis=seq_axis)
     return context.sequence_mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), seq_axis)
 
@@ -60,7 +60,7 @@ def measure(name: str, mesh_shape: tuple[int, int], zero_stage: int, private: bo
     from flax import nnx
 
     from jaxdp import sharding
-    from jaxdp.sharding import collectives
+    from jaxdp.analysis import collectives
     model = _model(name, vocab_size, T)
     tokens = jax.random.randint(jax.random.key(0), (B, T + 1), 0, vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -73,7 +73,7 @@ def measure(name: str, mesh_shape: tuple[int, int], zero_stage: int, private: bo
 
 
 def table(rows: list[dict]) -> str:
-    from jaxdp.sharding.collectives import KINDS
+    from jaxdp.analysis.collectives import KINDS
     lines = ["| setup | step | " + " | ".join(KINDS) + " | total |",
              "|---|---|" + "---:|" * (len(KINDS) + 1)]
     for r in rows:

@@ -5,7 +5,7 @@
 For every linear shape of GPT-2 small / medium / large at T = 128, 1024, 4096:
 FLOPs of the ghost and instantiate norms, the non-DP weight-gradient FLOPs for
 scale, and, per layer (norm + clipped sum), the time each method takes by the
-H100 row of `jaxdp.device_rates` (FLOPs at the matmul rate + bytes at the
+H100 row of `jaxdp.clipping.device_rates` (FLOPs at the matmul rate + bytes at the
 bandwidth): ghost / instantiate norms followed by the clipped-sum GEMM, or
 `store` (per-example gradients kept; bytes held shown). `auto` is the norm
 method `strategy="auto"` picks; `store?` whether a layer alone would be stored
@@ -14,9 +14,15 @@ within the 1 GiB budget (`plan_stored` also caps the total over layers).
 
 from absl import app, flags
 
-from jaxdp import device_rates
+from jaxdp.clipping import device_rates
+from jaxdp.clipping.norm_costs import (
+    DEFAULT_MEMORY_BUDGET_BYTES,
+    choose_method,
+    linear_layer_cost,
+    pair_cost,
+    plan_stored,
+)
 from jaxdp.models.gpt2 import GPT2Config
-from jaxdp.norm_costs import DEFAULT_MEMORY_BUDGET_BYTES, choose_method, linear_layer_cost, pair_cost, plan_stored
 
 FLAGS = flags.DEFINE_integer("batch_size", 8, "examples per micro-batch (B)")
 CHUNK = flags.DEFINE_integer("chunk_size", 8, "examples per norm chunk")

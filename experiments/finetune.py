@@ -13,11 +13,11 @@
 tokenizer/) or a local Hugging Face GPT-2 or Llama checkpoint directory
 (config.json + model.safetensors; the GPT-2 tokenizer, or the Llama directory's
 tokenizer.json). `finetune.method`: full | lora | adapter | bitfit | prompt |
-side | reversible (`jaxdp.finetune`; the last three GPT-2 only). Everything
+side | reversible (`jaxdp.finetune.methods`; the last three GPT-2 only). Everything
 else is the pretraining job (`jaxdp.training`): same run directory, resume by
 rerunning, budget stop, plots, privacy.json, one-line `error:` on bad input.
 After training, summary.json gets `heldout_accuracy`: " positive" vs
-" negative" on held-out snippets of a sentiment jsonl (`jaxdp.tasks`), beside
+" negative" on held-out snippets of a sentiment jsonl (`jaxdp.data.tasks`), beside
 the majority-class baseline it must beat. A soft prompt that overflows the
 model's positions shortens config.seq_len (a `note:` line; config.json records it).
 The logic lives in `jaxdp.training.finetune_job`.
@@ -33,7 +33,7 @@ _CONFIG = cli.define_config("config", _DEFAULT, "Fine-tuning config file.")
 
 
 def _print_summary(s: dict, workdir: str, method: str) -> None:
-    from jaxdp import tasks  # imported by main's jaxdp.training.finetune_job already
+    from jaxdp.data import tasks  # imported by main's jaxdp.training.finetune_job already
 
     def fmt(x, spec=".4f"):
         return "n/a" if x is None else format(x, spec)
@@ -60,7 +60,8 @@ def _print_summary(s: dict, workdir: str, method: str) -> None:
 
 def main(argv):
     del argv
-    from jaxdp import data, training  # after flag parsing: a --help stays fast
+    from jaxdp import training  # after flag parsing: a --help stays fast
+    from jaxdp.data import windows as data
     from jaxdp.training import finetune_job
     config = _CONFIG.value
     try:

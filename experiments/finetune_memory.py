@@ -6,9 +6,9 @@
     PATH=/tmp/gpuenv/bin:$PATH JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 \\
         python -m experiments.finetune_memory --target=h100    # XLA:GPU's deviceless compile for an H100
 
-For every method (`jaxdp.finetune.METHODS`) the training step is compiled
+For every method (`jaxdp.finetune.methods.METHODS`) the training step is compiled
 from abstract shapes (nothing allocated) and its `memory_analysis()` read:
-arguments + outputs + temporaries - aliased (`jaxdp.finetune_memory`). DP is
+arguments + outputs + temporaries - aliased (`jaxdp.finetune.memory`). DP is
 per-example gradients (book-keeping) -> fused_clip (flat, noise) -> adamw,
 or with --dp_method=two_pass norms inside each layer's backward and a
 clip-weighted second backward -> noise -> adamw; non-DP the mean-loss gradient -> adamw; trainable parameters and optimizer
@@ -34,12 +34,12 @@ from absl import app, flags
 
 MODEL = flags.DEFINE_enum("model", "large", ["tiny", "small", "medium", "large", "xl"], "GPT-2 preset")
 METHODS = flags.DEFINE_list("methods", ["full", "lora", "adapter", "bitfit", "prompt", "side", "reversible"],
-                            "jaxdp.finetune methods")
+                            "jaxdp.finetune.methods methods")
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "examples per step")
 SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "tokens per example")
 DTYPE = flags.DEFINE_string("dtype", "bfloat16", "compute dtype (frozen weights are held in it)")
 DP_METHOD = flags.DEFINE_enum("dp_method", "bookkeeping", ["bookkeeping", "two_pass"],
-                              "how DP forms its clipped sums (jaxdp.finetune_memory.step_memory)")
+                              "how DP forms its clipped sums (jaxdp.finetune.memory.step_memory)")
 REV_KEEP = flags.DEFINE_integer("rev_keep_streams_every", 2, "also a reversible row keeping the streams every "
                                 "k layers (exact at depth; jaxdp.models.reversible); 0: no such row")
 TARGET = flags.DEFINE_enum("target", None, ["h100"], "compile for this GPU without one (XLA:GPU deviceless)")
@@ -57,16 +57,17 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from jaxdp import finetune_memory, hlo_cost
-    from jaxdp.training import finetune_job
+    from jaxdp.analysis import hlo_cost
+    from jaxdp.finetune import memory as finetune_memory
     from jaxdp.models.gpt2 import GPT2Config
+    from jaxdp.training import finetune_job
 
     try:  # bad run directories: one line, before any compile
         accuracy = finetune_job.accuracy_rows(ACCURACY_RUNS.value)
     except ValueError as e:
         raise SystemExit(f"error: --accuracy_runs: {e}") from None
     device = hlo_cost.target_devices(TARGET.value, 1)[0]
-    if TARGET.value:  # strategy="auto" plans with the target's rates (jaxdp.device_rates.current)
+    if TARGET.value:  # strategy="auto" plans with the target's rates (jaxdp.clipping.device_rates.current)
         os.environ["JAXDP_DEVICE_KIND"] = TARGET.value
     config = GPT2Config.preset(MODEL.value, dtype=DTYPE.value, **({"seq_len": 64} if MODEL.value == "tiny" else {}))
     runs = [(m, m, {}) for m in METHODS.value]

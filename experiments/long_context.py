@@ -30,7 +30,7 @@ every layer's input and output gradient until all norms are known;
 clip-weighted backward) at the cost of a second forward and backward.
 
 `--target=h100` compiles for an H100 without one: XLA:GPU's deviceless
-compile (`jaxdp.hlo_cost.target_devices`: `jax.experimental.topologies` with `jaxdp/gpu_targets/h100_sxm.txtpb`;
+compile (`jaxdp.analysis.hlo_cost.target_devices`: `jax.experimental.topologies` with `jaxdp/analysis/gpu_targets/h100_sxm.txtpb`;
 needs `pip install jax-cuda12-plugin==<jax version> jax-cuda12-pjrt==<same>`
 and a `ptxas` on PATH, e.g. from `nvidia-cuda-nvcc-cu12`). The bytes are
 then XLA:GPU's buffer assignment for the chip (compile only: no step runs,
@@ -97,7 +97,7 @@ def main(argv):
     rows = longest_context.run(cfg, log=lambda s: print(s, flush=True))
     device = jax.devices()[0].device_kind
     if TARGET.value:
-        from jaxdp.hlo_cost import target_devices
+        from jaxdp.analysis.hlo_cost import target_devices
         device = f"{target_devices(TARGET.value, 1)[0].device_kind}: XLA:GPU compile only, no GPU"
     elif jax.default_backend() == "cpu":
         device = f"CPU, {jax.device_count()} devices on {os.cpu_count()} cores"

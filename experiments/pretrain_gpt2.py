@@ -25,7 +25,6 @@ resumes the run in `--config.workdir`. The logic lives in `jaxdp.training`.
 import os
 import sys
 
-
 from jaxdp.training import cli
 
 _DEFAULT = os.path.join(os.path.dirname(__file__), "configs", "default.py")
@@ -58,7 +57,8 @@ def main(argv):
     del argv
     import jax
 
-    from jaxdp import data, training  # after flag parsing: a --help stays fast
+    from jaxdp import training  # after flag parsing: a --help stays fast
+    from jaxdp.data import windows as data
     from jaxdp.sharding.processes import Disagreement
     config = _CONFIG.value
     training.maybe_initialize_distributed()  # multi-host: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID

@@ -1,4 +1,4 @@
-"""The Rotten Tomatoes sentiment task as a jsonl for the fine-tuning job (`jaxdp.tasks`).
+"""The Rotten Tomatoes sentiment task as a jsonl for the fine-tuning job (`jaxdp.data.tasks`).
 
     python -m experiments.rotten_tomatoes                          # pip download, convert: data/rotten_tomatoes.jsonl
     python -m experiments.rotten_tomatoes --source=vaderSentiment-3.3.2.tar.gz   # an sdist already here
@@ -7,7 +7,7 @@
 
 Without --source it runs `pip download vaderSentiment==3.3.2 --no-deps --no-binary :all:` into a
 temporary directory (the sdist holds the 10,605 rated snippets; nothing is installed). `--domains`
-picks the sdist's rated snippets (`jaxdp.tasks.DOMAINS`: movie, amazon, nyt, tweets); with more than
+picks the sdist's rated snippets (`jaxdp.data.tasks.DOMAINS`: movie, amazon, nyt, tweets); with more than
 one, an id is "<domain>:<id>".
 """
 
@@ -16,8 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
 _SOURCE = flags.DEFINE_string("source", None, "the vaderSentiment sdist, its hutto_ICWSM_2014.tar.gz, or the "
                                               "extracted movieReviewSnippets_GroundTruth.txt; None: pip download")
@@ -28,7 +27,7 @@ _DOMAINS = flags.DEFINE_list("domains", ["movie"], "the rated snippets written: 
 
 def main(argv):
     del argv
-    from jaxdp import tasks
+    from jaxdp.data import tasks
     domains = _DOMAINS.value
     if not domains or any(d not in tasks.DOMAINS for d in domains) or len(set(domains)) < len(domains):
         print(f"error: --domains must name distinct domains of {sorted(tasks.DOMAINS)}, got {domains}", file=sys.stderr)

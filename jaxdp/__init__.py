@@ -1,50 +1,59 @@
 """jaxdp: differentially private training of language models in JAX.
 
 The public names below load on first use (PEP 562), so `import jaxdp.models.gpt2` does not import the DP
-stack, Pallas or the training job. The test oracle `jaxdp.reference` (vmap per-example gradients) is not
-exported: import it as `from jaxdp import reference`.
+stack, Pallas or the training job. The test oracle `jaxdp.core.reference` (vmap per-example gradients) is not
+exported: import it as `from jaxdp.core import reference`.
+
+The package is laid out by concept (WORKSPACE.md, "Layout"): `core` (tape, terms, layers, per-example
+gradients, losses, the reference), `clipping`, `noise`, `sampling`, `accounting`, `auditing`, `data`,
+`models`, `finetune`, `pallas`, `sharding`, `training`, `analysis`. Old module names (`jaxdp.norms`,
+`jaxdp.calibration`, ...) still import, with a DeprecationWarning, for one release (`jaxdp._moved`).
 """
 
+from jaxdp import _moved
 from jaxdp._lazy import lazy_names
 
 __version__ = "0.1.0"
 
 # name -> the module that defines it (a submodule: the name itself).
 _PUBLIC = {
-    "DenseTerm": "jaxdp.terms",
-    "EmbedTerm": "jaxdp.terms",
-    "FactoredGrad": "jaxdp.terms",
-    "FusedClipState": "jaxdp.aggregation",
-    "GaussianPrivatizer": "jaxdp.privatizer",
-    "LinearTerm": "jaxdp.terms",
+    "DenseTerm": "jaxdp.core.terms",
+    "EmbedTerm": "jaxdp.core.terms",
+    "FactoredGrad": "jaxdp.core.terms",
+    "FusedClipState": "jaxdp.clipping.aggregation",
+    "GaussianPrivatizer": "jaxdp.noise.privatizer",
+    "LinearTerm": "jaxdp.core.terms",
     "accounting": None,
-    "audit_runs": None,
+    "analysis": None,
     "auditing": None,
-    "calibration": None,
-    "check_per_example_loss": "jaxdp.loss_check",
-    "clipped_aggregate": "jaxdp.aggregation",
+    "check_per_example_loss": "jaxdp.core.loss_check",
+    "clipping": None,
+    "clipped_aggregate": "jaxdp.clipping.aggregation",
+    "core": None,
     "data": None,
     "finetune": None,
-    "fused_clip": "jaxdp.aggregation",
-    "group_thresholds": "jaxdp.clipping",
+    "fused_clip": "jaxdp.clipping.aggregation",
+    "group_thresholds": "jaxdp.clipping.rules",
     "load_hf_gpt2": "jaxdp.models.hf_gpt2",
     "load_hf_llama": "jaxdp.models.hf_llama",
     "models": None,
-    "nn": None,
     "noise": None,
     "pallas": None,
-    "per_example_grads": "jaxdp.per_example",
-    "privacy_budget": None,
+    "per_example_grads": "jaxdp.core.per_example",
     "sampling": None,
     "save_hf_gpt2": "jaxdp.models.hf_gpt2",
     "save_hf_llama": "jaxdp.models.hf_llama",
     "sharding": None,
-    "squared_norms": "jaxdp.norms",
+    "squared_norms": "jaxdp.clipping.norms",
     "training": None,
-    "two_pass_clipped_sums": "jaxdp.two_pass",
+    "two_pass_clipped_sums": "jaxdp.clipping.two_pass",
 }
 
 
-__getattr__, __dir__ = lazy_names(__name__, _PUBLIC)
+_moved.install()
+# old top-level module names as attributes (`jaxdp.calibration.calibrate_noise_multiplier`), one release
+_OLD = {old.removeprefix("jaxdp."): new for old, new in _moved.MOVED.items() if old.count(".") == 1}
+
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, {name: new for name, new in _OLD.items()})
 
 __all__ = sorted(_PUBLIC)

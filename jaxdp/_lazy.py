@@ -7,13 +7,15 @@ import sys
 from collections.abc import Callable
 
 
-def lazy_names(package: str, names: dict[str, str | None],
-               modules: dict[str, str] | None = None) -> tuple[Callable, Callable]:
+def lazy_names(package: str, names: dict[str, str | None], modules: dict[str, str] | None = None,
+               replaced: str | None = None) -> tuple[Callable, Callable]:
     """(`__getattr__`, `__dir__`) for `package`'s namespace.
 
     `names[n]`: the module that defines `n` (None: `n` is the submodule `package.n`); `modules[n]`: a module
-    published under the name `n` (a moved module under its old name). A loaded value is stored in the
-    package's namespace, so later lookups do not come back here.
+    published under the name `n` (a moved module under its old name); `replaced`: the module whose content
+    the package took over (`jaxdp.clipping` was one module, now `jaxdp.clipping.rules`), whose public names
+    are the package's own (`jaxdp.sampling.PoissonSampler` is `jaxdp.sampling.poisson.PoissonSampler`). A loaded value is stored in the package's namespace, so
+    later lookups do not come back here.
     """
     modules = modules or {}
 
@@ -24,6 +26,8 @@ def lazy_names(package: str, names: dict[str, str | None],
             home = names[name]
             value = (importlib.import_module(f"{package}.{name}") if home is None
                      else getattr(importlib.import_module(home), name))
+        elif replaced is not None and not name.startswith("_") and hasattr(importlib.import_module(replaced), name):
+            value = getattr(importlib.import_module(replaced), name)
         else:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         setattr(sys.modules[package], name, value)

@@ -8,14 +8,14 @@ import numpy as np
 from flax import nnx
 
 import jaxdp
-import jaxdp.reference  # the vmap oracle: not exported by jaxdp
-import jaxdp.losses
+import jaxdp.core.losses
+import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 
 
 def lm_loss(model, batch):
     """Per-example mean next-token NLL, zero for masked (padding) examples."""
-    nll = jaxdp.losses.token_nll(model, batch["tokens"][:, :-1], batch["tokens"][:, 1:])  # frozen head: chunks
+    nll = jaxdp.core.losses.token_nll(model, batch["tokens"][:, :-1], batch["tokens"][:, 1:])  # frozen head: chunks
     return jnp.where(batch["mask"], nll.mean(axis=-1), 0.0)
 
 
@@ -56,7 +56,7 @@ def max_rel_err(actual, expected):
 def reference_grads(loss_fn, model, batch):
     """(losses (B,), {path: per-example gradients (B, ...)}) of the vmap reference, jitted: one compile
     per loss, model structure and batch shape, shared by every test (and test file) that asks for it."""
-    return jaxdp.reference.per_example_grads(loss_fn, model, batch)
+    return jaxdp.core.reference.per_example_grads(loss_fn, model, batch)
 
 
 def clip_between(ref_grads):

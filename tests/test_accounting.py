@@ -1,4 +1,4 @@
-"""Tests for jaxdp.accounting: agreement with dp_accounting, calibration, budgets.
+"""Tests for jaxdp.accounting.epsilon: agreement with dp_accounting, calibration, budgets.
 
 Cases are chosen so that PLD stays cheap (few steps, q >= 0.01): the whole
 file runs in a few seconds on 2 CPU cores.
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from dp_accounting import pld, rdp
 
-from jaxdp import accounting, calibration
-from jaxdp import privacy_budget
+from jaxdp.accounting import accountant as accounting
+from jaxdp.accounting import budget as privacy_budget
+from jaxdp.accounting import calibration
 
 # (noise_multiplier, sampling_probability, steps, delta)
 _CASES = [

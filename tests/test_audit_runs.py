@@ -9,15 +9,16 @@ import dataclasses
 import json
 import pathlib
 
+import dp_testing
 import numpy as np
 import pytest
-
-import dp_testing
 from flax import nnx
-from jaxdp import accounting, calibration
-from jaxdp import seeds
-from jaxdp import audit_runs
-from jaxdp import nn
+
+from jaxdp.accounting import accountant as accounting
+from jaxdp.accounting import calibration
+from jaxdp.auditing import runs as audit_runs
+from jaxdp.core import nn
+from jaxdp.noise import seeds
 from jaxdp.training import receipt
 
 CLAIM = 2.0
@@ -251,7 +252,8 @@ def test_audit_noise_key_is_the_roots_256_bit_noise_key(monkeypatch):
     """Attacker review 18: both audits drew their noise key from 31 PCG64 bits; it is the root's `audit_noise`
     domain, an rbg key as the job's (a mutation back to `jax.random.key(rng.integers(2**31))` fails here)."""
     import jax
-    from jaxdp import noise
+
+    from jaxdp.noise import draws as noise
     seen, real = [], audit_runs._privatizer
 
     def spy(bug, l2_norm_clip, sigma, batch_size, key, mechanism):

@@ -1,9 +1,9 @@
-"""The one-run audit's bound (`jaxdp.auditing`): equal to jax_privacy's, valid, and able to fail."""
+"""The one-run audit's bound (`jaxdp.auditing.bound`): equal to jax_privacy's, valid, and able to fail."""
 
 import numpy as np
 import pytest
 
-from jaxdp import auditing
+from jaxdp.auditing import bound as auditing
 
 # jax-privacy 2.0.0, `jax_privacy.auditing._epsilon_one_run(0, m, r, v, 0.05, delta)` and
 # `_one_run_p_value(m, r, v, eps, delta)`, run on this machine (2026-11-23) in a separate venv:

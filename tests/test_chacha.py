@@ -1,4 +1,4 @@
-"""ChaCha20 (`jaxdp.chacha`) against published test vectors, and secure noise drawn from it alone."""
+"""ChaCha20 (`jaxdp.noise.chacha`) against published test vectors, and secure noise drawn from it alone."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 import jaxdp
-from jaxdp import chacha, noise
+from jaxdp.noise import chacha
+from jaxdp.noise import draws as noise
 
 # RFC 8439 section 2.3.2: key 00..1f, nonce 00:00:00:09:00:00:00:4a:00:00:00:00, block counter 1.
 RFC_KEY = np.frombuffer(bytes(range(32)), "<u4")
@@ -60,7 +61,7 @@ def test_block_function_matches_the_published_vectors():
 @pytest.mark.parametrize("wide", [False, True])
 def test_normal_from_bits_is_jax_random_normal(wide):
     """The secure draws use jax.random.normal's own transform (the floating-point analysis of
-    `jaxdp.noise` is about it): equal on the same bits, float32 and float64 (two words per value)."""
+    `jaxdp.noise.draws` is about it): equal on the same bits, float32 and float64 (two words per value)."""
     key = jax.random.key(int(np.random.default_rng().integers(2**31)), impl=noise.NOISE_IMPL)
     with jax.enable_x64(wide):
         dtype = jnp.float64 if wide else jnp.float32
@@ -105,7 +106,7 @@ def test_secure_noise_comes_from_chacha_alone():
 
     class Lin(nnx.Module):
         def __init__(self):
-            self.lin = jaxdp.nn.Linear(8, 16, rngs=nnx.Rngs(0))
+            self.lin = jaxdp.core.nn.Linear(8, 16, rngs=nnx.Rngs(0))
 
     def loss_fn(model, batch):
         return jnp.where(batch["mask"], model.lin(batch["x"]).sum((1, 2)), 0.0)
@@ -159,7 +160,7 @@ def test_each_leaf_reads_its_own_span_of_the_stream():
 
 
 def test_triton_kernel_is_the_block_function():
-    """The GPU path (`jaxdp.pallas.chacha_words`, one Triton kernel) gives `jaxdp.chacha`'s words: equal in
+    """The GPU path (`jaxdp.pallas.chacha_words`, one Triton kernel) gives `jaxdp.noise.chacha`'s words: equal in
     the Pallas interpreter over a partial last program (3,000 blocks of 1,024 per program), 128- and
     256-bit keys; and it lowers to Triton for a GPU."""
     from jaxdp.pallas import chacha_words
@@ -178,7 +179,7 @@ def test_triton_kernel_is_the_block_function():
 
 def test_keystream_words_is_the_reference_in_either_implementation():
     """`jaxdp.pallas.chacha_words.keystream_words`, what the secure noise reads: the kernel (interpreted here)
-    and the jnp rounds both give `jaxdp.chacha.block_words`' words; an unknown implementation is refused."""
+    and the jnp rounds both give `jaxdp.noise.chacha.block_words`' words; an unknown implementation is refused."""
     from jaxdp.pallas import chacha_words
     rng = np.random.default_rng()
     key, nonce = rng.integers(0, 2**32, 4, dtype=np.uint32), rng.integers(0, 2**32, 3, dtype=np.uint32)

@@ -1,7 +1,7 @@
-"""jaxdp.sharding.collectives reads a scheduled HLO module: async pairs, operands, compute in between
+"""jaxdp.analysis.collectives reads a scheduled HLO module: async pairs, operands, compute in between
 (experiments/collective_schedule.py prints it)."""
 
-from jaxdp.sharding import collectives
+from jaxdp.analysis import collectives
 
 HLO = """HloModule m
 

@@ -1,4 +1,4 @@
-"""jaxdp.losses.completion_losses: the loss of the text after a marker (the fine-tuning job's label loss).
+"""jaxdp.core.losses.completion_losses: the loss of the text after a marker (the fine-tuning job's label loss).
 
 Properties: on random tokens it equals a float64 NumPy computation from the model's logits, counting
 exactly the targets after the window's last marker (none without one, none past a PAD); a planted
@@ -7,12 +7,12 @@ equal the vmap reference.
 """
 
 import numpy as np
+from dp_testing import by_path, max_rel_err, reference_grads, tiny_gpt2
 from flax import nnx
 
 import jaxdp
-from dp_testing import by_path, max_rel_err, reference_grads, tiny_gpt2
-from jaxdp.data import PAD
-from jaxdp.losses import completion_losses
+from jaxdp.core.losses import completion_losses
+from jaxdp.data.windows import PAD
 
 MARKER = (5, 6, 7)
 VOCAB, T = 97, 16
@@ -71,7 +71,7 @@ def test_per_example_grads_of_the_completion_loss_equal_the_reference():
     @nnx.jit
     def dense_grads(model, batch):  # one compile (eagerly the op-by-op dispatch is the slow part)
         _, grads = jaxdp.per_example_grads(loss)(model, batch)
-        return {p: sum(jaxdp.terms.instantiate(t) for t in g.terms) for p, g in by_path(grads).items()}
+        return {p: sum(jaxdp.core.terms.instantiate(t) for t in g.terms) for p, g in by_path(grads).items()}
     dense = dense_grads(model, batch)
     _, ref = reference_grads(loss, model, batch)
     assert max_rel_err(dense, ref) <= 1e-5

@@ -1,4 +1,4 @@
-"""Tests for jaxdp.data: corpus loading, tokenizers, document split, windows, cache."""
+"""Tests for jaxdp.data.windows: corpus loading, tokenizers, document split, windows, cache."""
 
 import gzip
 import importlib.util
@@ -9,7 +9,8 @@ import secrets
 import numpy as np
 import pytest
 
-from jaxdp import data, sampling
+from jaxdp.data import windows as data
+from jaxdp.sampling import poisson as sampling
 
 # Small documents with non-ASCII text; long enough for a few windows.
 _DOCS = [

@@ -82,6 +82,6 @@ def test_readme_usage_example_runs():
 
 
 def _params(model):
-    from flax import nnx
     import jax
+    from flax import nnx
     return jax.tree.leaves(nnx.state(model, nnx.Param))

@@ -1,7 +1,6 @@
 """The comparison helpers the other tests rely on can fail: each planted difference is caught."""
 
 import pytest
-
 from dp_testing import assert_json_close
 
 ROW = {"step": 3, "train_loss": None, "epsilon": 1.25, "note": "x", "vals": [1.0, None, True]}

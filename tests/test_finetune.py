@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from dp_testing import by_path, lm_batch, lm_loss
 from flax import nnx
 
 import jaxdp
-import jaxdp.reference  # the vmap oracle: not exported by jaxdp
-import jaxdp.losses
-from jaxdp import finetune
-from dp_testing import by_path, lm_batch, lm_loss
+import jaxdp.core.losses
+import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
+from jaxdp.finetune import methods as finetune
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
 
@@ -48,10 +48,10 @@ def prepared(method, seed):
 
 @pytest.fixture(scope="module", autouse=True)
 def _frozen_head_in_chunks_of_7_tokens():
-    """A frozen head runs over chunks of tokens (`jaxdp.losses.token_nll`): 7 tokens a chunk here, so the
+    """A frozen head runs over chunks of tokens (`jaxdp.core.losses.token_nll`): 7 tokens a chunk here, so the
     B 5 x T 12 batches take 9 chunks, the last one padded, and the reference's single examples 2."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(jaxdp.losses, "HEAD_CHUNK_BYTES", 4 * 97 * 7)
+        mp.setattr(jaxdp.core.losses, "HEAD_CHUNK_BYTES", 4 * 97 * 7)
         yield
 
 
@@ -76,13 +76,13 @@ def fast_and_reference(graphdef, state, batch, C):
     reference, and the reference's flat sums with a planted error: one compile per method."""
     model = nnx.merge(graphdef, state)
     _, grads = jaxdp.per_example_grads(lm_loss, fallback=False)(model, batch)
-    _, ref = jaxdp.reference.per_example_grads(lm_loss, model, batch)
+    _, ref = jaxdp.core.reference.per_example_grads(lm_loss, model, batch)
     out = {}
     for clipping, strategy in (("flat", "ghost"), ("per_layer", "instantiate")):
-        expected, norms = jaxdp.reference.clipped_sum(ref, C, clipping=clipping)
+        expected, norms = jaxdp.core.reference.clipped_sum(ref, C, clipping=clipping)
         out[clipping] = {"expected": expected, "norms": norms,
                          "fast": jaxdp.clipped_aggregate(grads, C, clipping=clipping, strategy=strategy)[0]}
-    out["flat"]["planted"] = jaxdp.reference.clipped_sum(plant(ref), C)[0]
+    out["flat"]["planted"] = jaxdp.core.reference.clipped_sum(plant(ref), C)[0]
     return out
 
 
@@ -112,7 +112,7 @@ def plain_and_chunked_head(graphdef, state, tokens):
         return optax.softmax_cross_entropy_with_integer_labels(model(tokens[:, :-1]), tokens[:, 1:]).sum()
 
     def chunked(model):
-        return jaxdp.losses.token_nll(model, tokens[:, :-1], tokens[:, 1:]).sum()
+        return jaxdp.core.losses.token_nll(model, tokens[:, :-1], tokens[:, 1:]).sum()
     model = nnx.merge(graphdef, state)
     return nnx.value_and_grad(plain)(model), nnx.value_and_grad(chunked)(model)
 
@@ -145,7 +145,7 @@ def test_trained_head_is_never_chunked():
                              lora_targets=("attn/q_proj", "lm_head"), **METHOD_KWARGS)
     assert model.frozen_head() is None
     tokens = lm_batch(seed=4, B=2, T=6)["tokens"]
-    assert jaxdp.losses.token_nll(model, tokens[:, :-1], tokens[:, 1:]).shape == (2, 6)
+    assert jaxdp.core.losses.token_nll(model, tokens[:, :-1], tokens[:, 1:]).shape == (2, 6)
 
 
 @pytest.mark.parametrize("method", ["lora", "adapter", "bitfit", "prompt", "side"])
@@ -181,7 +181,7 @@ def test_optimizer_step_leaves_frozen_parameters_unchanged_and_prompted_logits_a
         return finetune.freeze(model, lambda path, owner: any(f(path, owner) for f in methods))
 
     model = random_model(build, seed=4)
-    frozen = numpy_by_path(nnx.state(model, jaxdp.nn.Frozen))
+    frozen = numpy_by_path(nnx.state(model, jaxdp.core.nn.Frozen))
     trainable = numpy_by_path(nnx.state(model, nnx.Param))
     assert {p[-1] for p in frozen} == {"kernel", "scale", "embedding"} and ("blocks", 0, "ln_1", "bias") in trainable
     tx = optax.chain(jaxdp.fused_clip(1.0, 0.0, expected_batch_size=4.0, key=jax.random.key(0)),
@@ -199,7 +199,7 @@ def test_optimizer_step_leaves_frozen_parameters_unchanged_and_prompted_logits_a
 
     graphdef, state = nnx.split((model, optimizer))
     nnx.update((model, optimizer), step(graphdef, state, per_example))
-    for path, value in numpy_by_path(nnx.state(model, jaxdp.nn.Frozen)).items():
+    for path, value in numpy_by_path(nnx.state(model, jaxdp.core.nn.Frozen)).items():
         assert np.array_equal(value, frozen[path]), path
     for path, value in numpy_by_path(nnx.state(model, nnx.Param)).items():
         assert not np.array_equal(value, trainable[path]), path
@@ -243,11 +243,11 @@ def test_frozen_layers_cost_no_per_example_work_and_no_weight_gradient():
     traced backward holds no GEMM shaped like a frozen weight; the plain gradient of the same model does."""
     model = prepared("bitfit", seed=3)
     batch = lm_batch(seed=4, B=6, T=16)
-    graphdef, params, rest, uses, axes, _ = jaxdp.per_example.discover(lm_loss, model, batch)
+    graphdef, params, rest, uses, axes, _ = jaxdp.core.per_example.discover(lm_loss, model, batch)
     owners = {p[:-1] for p in finetune.trainable_paths(model)}
     assert {u.path for u in uses.values()} == owners  # wte / wpe (frozen, no bias) never tap
     assert all(u.record.shape[-1] == 0 for u in uses.values())  # bias terms need no input record
-    frozen_shapes = {tuple(v.shape) for v in by_path(nnx.state(model, jaxdp.nn.Frozen)).values() if v.ndim == 2}
+    frozen_shapes = {tuple(v.shape) for v in by_path(nnx.state(model, jaxdp.core.nn.Frozen)).values() if v.ndim == 2}
     assert (64, 192) in frozen_shapes and (97, 64) in frozen_shapes
 
     def dp_grads(m):
@@ -316,13 +316,13 @@ def reversible_and_stored(graphdef, stored_graphdef, state, batch, C):
     through the same forward with stored activations (`stored_graphdef`, ordinary autodiff), plus the
     reference with a planted error."""
     _, grads = jaxdp.per_example_grads(lm_loss, fallback=False)(nnx.merge(graphdef, state), batch)
-    _, ref = jaxdp.reference.per_example_grads(lm_loss, nnx.merge(stored_graphdef, state), batch)
+    _, ref = jaxdp.core.reference.per_example_grads(lm_loss, nnx.merge(stored_graphdef, state), batch)
     out = {}
     for clipping, strategy in (("flat", "ghost"), ("per_layer", "instantiate")):
-        expected, norms = jaxdp.reference.clipped_sum(ref, C, clipping=clipping)
+        expected, norms = jaxdp.core.reference.clipped_sum(ref, C, clipping=clipping)
         out[clipping] = {"expected": expected, "norms": norms,
                          "fast": jaxdp.clipped_aggregate(grads, C, clipping=clipping, strategy=strategy)[0]}
-    out["flat"]["planted"] = jaxdp.reference.clipped_sum(plant(ref), C)[0]
+    out["flat"]["planted"] = jaxdp.core.reference.clipped_sum(plant(ref), C)[0]
     return out
 
 

@@ -1,4 +1,4 @@
-"""The fine-tuning job (jaxdp.training.finetune_job, jaxdp.tasks, experiments/finetune.py) on tiny inputs.
+"""The fine-tuning job (jaxdp.training.finetune_job, jaxdp.data.tasks, experiments/finetune.py) on tiny inputs.
 
 Properties: a synthetic file in the format of the vaderSentiment sdist's Rotten Tomatoes snippets,
 read through the sdist's nested archives, becomes the sentiment jsonl; a tiny GPT-2 run directory
@@ -28,16 +28,18 @@ import pytest
 from flax import nnx
 
 from experiments.configs import finetune as finetune_config
-from jaxdp import finetune, nn, tasks, training
-from jaxdp.training import finetune_job
-from jaxdp.losses import completion_losses, lm_losses
+from jaxdp import training
+from jaxdp.core import nn
+from jaxdp.core.losses import completion_losses, lm_losses
+from jaxdp.data import tasks
+from jaxdp.data.tokenizer import Tokenizer, train_bpe_tokenizer
+from jaxdp.finetune import methods as finetune
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.hf_gpt2 import save_hf_gpt2
 from jaxdp.models.hf_llama import save_hf_llama
 from jaxdp.models.llama import Llama, LlamaConfig
+from jaxdp.training import finetune_job, run_dir
 from jaxdp.training import receipt as receipt_lib
-from jaxdp.training import run_dir
-from jaxdp.tokenizer import Tokenizer, train_bpe_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GOOD = ("a gorgeous, moving film", "sharp and funny", "the best picture of the year", "a warm delight")
@@ -346,7 +348,7 @@ def test_bad_input_is_one_line_before_the_workdir_is_touched(task, init_run, tmp
 
 
 def test_the_loss_counts_the_label_or_the_whole_text(lora_run, task, init_run, tmp_path):
-    p, _, _ = lora_run  # the shipped config: the text after "\nSentiment:" (jaxdp.tasks.PROMPT)
+    p, _, _ = lora_run  # the shipped config: the text after "\nSentiment:" (jaxdp.data.tasks.PROMPT)
     assert p.config.finetune.loss_after == tasks.PROMPT
     assert p.loss_fn is completion_losses(p.tokenizer.encode(tasks.PROMPT))
     for whole_text in ("", None):

@@ -7,12 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from dp_testing import (
+    by_path,
+    clip_between,
+    first_updates_fn,
+    lm_batch,
+    lm_loss,
+    max_rel_err,
+    reference_grads,
+    tiny_gpt2,
+)
 from flax import nnx
 
 import jaxdp
-import jaxdp.reference  # the vmap oracle: not exported by jaxdp
-from dp_testing import (by_path, clip_between, first_updates_fn, lm_batch, lm_loss, max_rel_err,
-                        reference_grads, tiny_gpt2)
+import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 
 EXPECTED_BATCH_SIZE = 5.0
 RTOL = 1e-5  # float32, highest matmul precision
@@ -48,7 +56,7 @@ def eager_grads(remat):
 
 def expected_update(remat, clipping, clip_fn):
     _, _, C, ref_grads = setup(remat)
-    sums, _ = jaxdp.reference.clipped_sum(ref_grads, C, clipping=CLIPPINGS[clipping], clip_fn=clip_fn)
+    sums, _ = jaxdp.core.reference.clipped_sum(ref_grads, C, clipping=CLIPPINGS[clipping], clip_fn=clip_fn)
     return {p: s / EXPECTED_BATCH_SIZE for p, s in sums.items()}
 
 
@@ -136,7 +144,7 @@ def test_per_example_gradients_equal_reference():
     _, _, _, ref_grads = setup(False)
     _, grads = eager_grads(False)
     for path, grad in by_path(grads).items():
-        dense = sum(jaxdp.terms.instantiate(t) for t in grad.terms)
+        dense = sum(jaxdp.core.terms.instantiate(t) for t in grad.terms)
         ref = ref_grads[path]
         assert float(jnp.max(jnp.abs(dense - ref)) / jnp.max(jnp.abs(ref))) <= RTOL, path
         assert float(jnp.max(jnp.abs(dense[-1]))) == 0.0, path  # masked example
@@ -163,9 +171,9 @@ def test_norms_equal_reference_float64():
             _, grads = grads_fn(model, batch)
             return [jaxdp.clipped_aggregate(grads, 1.0, clipping=c, strategy=s)[1] for c, s in configs]
 
-        ref_grads = jax.jit(lambda m, b: jaxdp.reference.per_example_grads(lm_loss, m, b)[1])(model, batch)
+        ref_grads = jax.jit(lambda m, b: jaxdp.core.reference.per_example_grads(lm_loss, m, b)[1])(model, batch)
         for (clipping, strategy), norms in zip(configs, all_norms(model, batch)):
-            _, ref_norms = jaxdp.reference.clipped_sum(ref_grads, 1.0, clipping=clipping)
+            _, ref_norms = jaxdp.core.reference.clipped_sum(ref_grads, 1.0, clipping=clipping)
             if True:
                 assert norms.keys() == ref_norms.keys()
                 for g in ref_norms:
@@ -188,7 +196,7 @@ def test_plain_per_example_arrays():
 
 def test_planted_error_is_caught(monkeypatch):
     """Dropping the tied-embedding cross term must break reference equality."""
-    from jaxdp import norms as norms_lib
+    from jaxdp.clipping import norms as norms_lib
     _, _, C, ref_grads = setup(False)
     _, grads = eager_grads(False)
     original = norms_lib.squared_norms_and_roots
@@ -199,6 +207,6 @@ def test_planted_error_is_caught(monkeypatch):
 
     monkeypatch.setattr(norms_lib, "squared_norms_and_roots", without_cross_terms)
     _, norms = jaxdp.clipped_aggregate(grads, C)
-    _, ref_norms = jaxdp.reference.clipped_sum(ref_grads, C)  # the vmap reference's (jitted in setup)
+    _, ref_norms = jaxdp.core.reference.clipped_sum(ref_grads, C)  # the vmap reference's (jitted in setup)
     rel = jnp.abs(norms["all"] - ref_norms["all"])[:-1] / ref_norms["all"][:-1]
     assert float(jnp.max(rel)) > 100 * RTOL

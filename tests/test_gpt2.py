@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dp_testing import lm_batch, lm_loss, tiny_gpt2
 from flax import nnx
 
 import jaxdp
 from jaxdp.models.gpt2 import GPT2, GPT2Config
-from dp_testing import lm_batch, lm_loss, tiny_gpt2
 
 # Parameter counts of the released GPT-2 checkpoints (tied head, 1024 positions).
 RELEASED = {"small": 124_439_808, "medium": 354_823_168, "large": 774_030_080, "xl": 1_557_611_200}

@@ -5,7 +5,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-
 import numpy as np
 import pytest
 from flax import nnx
@@ -243,10 +242,10 @@ def test_malformed_safetensors_are_refused(tmp_path):
 
 def test_dp_lora_on_imported_llama_equals_reference(tmp_path):
     """DP-LoRA on q / v of an imported Llama: clipped sums equal the vmap reference (flat and per layer)."""
+    from dp_testing import lm_batch
     from test_finetune import RTOL, fast_and_reference, numpy_by_path, rel_err
 
-    from dp_testing import lm_batch
-    from jaxdp import finetune
+    from jaxdp.finetune import methods as finetune
 
     model = load_hf_llama(write_checkpoint(tmp_path, random_hf_tensors(seed=5), HF_CONFIG))
     finetune.prepare(model, "lora", rank=4, lora_targets=("attn/q_proj", "attn/v_proj"), rngs=nnx.Rngs(6))

@@ -1,4 +1,4 @@
-"""jaxdp.hlo_cost: FLOPs, bytes and kernel launches of a compiled program from its optimized HLO."""
+"""jaxdp.analysis.hlo_cost: FLOPs, bytes and kernel launches of a compiled program from its optimized HLO."""
 
 import os
 import pathlib
@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxdp import device_rates, hlo_cost
+from jaxdp.analysis import hlo_cost
+from jaxdp.clipping import device_rates
 
 H100_HLO = pathlib.Path(__file__).parent / "data" / "h100_matmul_attention.hlo"
 

@@ -15,14 +15,33 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxdp"
 
-# What the models may import: each other, the layers and the tape the layers record on.
-MODELS_MAY_IMPORT = ("jaxdp.models", "jaxdp.nn", "jaxdp._tape", "jaxdp.terms")
-# Host-side privacy code (accounting, sampling, seeds): NumPy only.
-WITHOUT_JAX = ("jaxdp.accounting", "jaxdp.binomial", "jaxdp.calibration", "jaxdp.chacha", "jaxdp.privacy_budget",
-               "jaxdp.sampling", "jaxdp.seeds")
+# What the models may import: each other and the core (layers, the tape they record on, terms, shard helpers).
+MODELS_MAY_IMPORT = ("jaxdp.models", "jaxdp.core")
+# Host-side privacy code (accounting, sampling, seeds, ChaCha20): NumPy only.
+WITHOUT_JAX = ("jaxdp.accounting.accountant", "jaxdp.accounting.calibration", "jaxdp.accounting.budget",
+               "jaxdp.sampling.poisson", "jaxdp.sampling.binomial", "jaxdp.noise.seeds", "jaxdp.noise.chacha")
 # What importing a model must not load.
-NOT_WITH_A_MODEL = ("jaxdp.aggregation", "jaxdp.noise", "jaxdp.privatizer", "jaxdp.pallas", "jaxdp.sharding.dp_step",
-                    "jaxdp.training", "jaxdp.finetune")
+NOT_WITH_A_MODEL = ("jaxdp.clipping", "jaxdp.noise", "jaxdp.pallas", "jaxdp.sharding", "jaxdp.training",
+                    "jaxdp.finetune")
+# The packages' directions (WORKSPACE.md, "Import rules"): package -> the jaxdp packages it may import.
+# `pallas` -> `noise`: the ChaCha20 kernel's reference twin is `jaxdp.noise.chacha`, and `noise` -> `pallas`
+# dispatches to that kernel on a GPU (at module level there is no cycle: `test_no_import_cycles`).
+MAY_IMPORT = {
+    "core": set(),
+    "accounting": set(),
+    "data": set(),
+    "models": {"core"},
+    "pallas": {"core", "noise"},
+    "noise": {"core", "pallas"},
+    "sampling": {"noise"},
+    "clipping": {"core", "noise", "pallas"},
+    "analysis": {"clipping", "core"},
+    "finetune": {"core", "models", "clipping", "noise"},
+    "sharding": {"core", "models", "clipping", "noise", "pallas", "analysis"},
+    "auditing": {"accounting", "clipping", "core", "noise", "sampling", "training"},
+    "training": {"accounting", "analysis", "clipping", "core", "data", "finetune", "models", "noise", "sampling",
+                 "sharding"},
+}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -109,6 +128,30 @@ def test_models_import_neither_the_dp_stack_nor_the_mesh():
     assert {m: t for m, t in bad.items() if t} == {}
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """{package: the other jaxdp packages its modules import} (the top-level `jaxdp` and `jaxdp._*` left out)."""
+    def package(name):
+        parts = name.split(".")
+        return parts[1] if len(parts) > 1 and not parts[1].startswith("_") else None
+
+    out = {}
+    for module, targets in graph.items():
+        if package(module) is not None:
+            out.setdefault(package(module), set()).update(
+                p for p in map(package, targets) if p is not None and p != package(module))
+    return out
+
+
+def test_every_package_imports_only_what_its_direction_allows():
+    packages = package_graph(import_graph())
+    assert set(packages) == set(MAY_IMPORT), "a package was added or removed: give it a line in MAY_IMPORT"
+    assert {p: sorted(t - MAY_IMPORT[p]) for p, t in packages.items() if t - MAY_IMPORT[p]} == {}
+
+
+def test_the_direction_check_can_fail():
+    assert package_graph({"jaxdp.core.nn": {"jaxdp", "jaxdp.clipping", "jaxdp.clipping.norms"}}) == {"core": {"clipping"}}
+
+
 def test_no_library_module_imports_experiments():
     offenders = [str(f.relative_to(ROOT)) for f in PACKAGE.rglob("*.py")
                  if any(isinstance(n, (ast.Import, ast.ImportFrom)) and any(
@@ -144,7 +187,7 @@ def test_the_public_surface():
     """Every public name resolves; the test oracle is not exported; `jaxdp.fused_clip` is the transform even
     after its module is imported (a function named like its module would be shadowed by it)."""
     import jaxdp
-    import jaxdp.aggregation  # noqa: F401
+    import jaxdp.clipping.aggregation  # noqa: F401
     for name in jaxdp.__all__:
         assert getattr(jaxdp, name) is not None, name
     assert "reference" not in jaxdp.__all__ and callable(jaxdp.fused_clip)

@@ -15,7 +15,7 @@ from dp_testing import (
 from flax import nnx
 
 import jaxdp
-import jaxdp.reference  # the vmap oracle: not exported by jaxdp
+import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.models.llama import Llama, LlamaConfig, rope_frequencies
 
 # Published parameter counts: Llama 3.2 1B / 3B (tied head), Llama 3.1 8B (untied).
@@ -98,7 +98,7 @@ def test_fused_clip_equals_reference(tied, remat):
     all_updates = first_updates_fn(lm_loss, txs, fallback=False)
 
     for (clipping, clip_fn, strategy), updates in zip(CONFIGS, all_updates(model, batch)):
-        sums, _ = jaxdp.reference.clipped_sum(ref_grads, C, clipping=clipping, clip_fn=clip_fn)
+        sums, _ = jaxdp.core.reference.clipped_sum(ref_grads, C, clipping=clipping, clip_fn=clip_fn)
         expected = {p: s / EXPECTED_BATCH_SIZE for p, s in sums.items()}
         err = max_rel_err(updates, expected)
         assert err <= RTOL, (clipping, clip_fn, strategy, err)

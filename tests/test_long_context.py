@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from jaxdp import hlo_cost
+from jaxdp.analysis import hlo_cost
 from jaxdp.sharding import longest_context
 
 

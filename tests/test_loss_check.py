@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from dp_testing import lm_batch, lm_loss, tiny_gpt2
 from flax import nnx
+from test_llama import tiny_llama
 
 import jaxdp
-from dp_testing import lm_batch, lm_loss, tiny_gpt2
-from test_llama import tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +104,11 @@ def test_model_state_is_left_unchanged(models):
 
 
 class Bigram(nnx.Module):
-    """The smallest jaxdp.nn language model: next-token logits from the current token."""
+    """The smallest jaxdp.core.nn language model: next-token logits from the current token."""
 
     def __init__(self, vocab_size, d_model, rngs):
-        self.embed = jaxdp.nn.Embed(vocab_size, d_model, rngs=rngs)
-        self.head = jaxdp.nn.Linear(d_model, vocab_size, rngs=rngs)
+        self.embed = jaxdp.core.nn.Embed(vocab_size, d_model, rngs=rngs)
+        self.head = jaxdp.core.nn.Linear(d_model, vocab_size, rngs=rngs)
 
     def __call__(self, tokens_BT):
         return self.head(jnp.tanh(self.embed(tokens_BT)))

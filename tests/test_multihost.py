@@ -17,11 +17,11 @@ import sys
 
 import numpy as np
 import pytest
+from dp_testing import assert_json_close
+from test_pretrain import REPO, cli_args, params_of, tiny_cli_overrides, tiny_config, write_tiny_corpus
 
 from jaxdp import training
 from jaxdp.training import run_dir
-from dp_testing import assert_json_close
-from test_pretrain import REPO, cli_args, params_of, tiny_cli_overrides, tiny_config, write_tiny_corpus
 
 MESH = {"mesh.data": 1, "mesh.seq": 4}
 RUN = {"seed": None, "steps": 4, "checkpoint_every": 2, "log_every": 1, "eval_every": 2, "sample.num": 1}
@@ -140,7 +140,7 @@ def test_single_process_jobs_refuse_to_run_once_per_host(monkeypatch):
     their own secret root into one directory; they refuse before reading anything."""
     import importlib.util
 
-    from jaxdp import audit_runs
+    from jaxdp.auditing import runs as audit_runs
     from jaxdp.training import finetune_job
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1")
     configs = {}
@@ -164,7 +164,8 @@ from jaxdp import training
 training.maybe_initialize_distributed()
 import jax, numpy as np, optax
 from dp_testing import tiny_gpt2
-from jaxdp import losses, sharding
+from jaxdp import sharding
+from jaxdp.core import losses
 from jaxdp.sharding import processes
 step = sharding.ShardedDPStep(losses.cp_lm_losses, optax.adam(1e-2, eps=1e-3), sharding.make_mesh(2, 2),
                               l2_norm_clip=0.05, noise_multiplier=2.0, expected_batch_size=6.0,
@@ -192,7 +193,8 @@ def test_sharded_step_on_two_processes_zero3_and_batches_that_differ(tmp_path):
     import optax
     from dp_testing import tiny_gpt2
 
-    from jaxdp import losses, sharding
+    from jaxdp import sharding
+    from jaxdp.core import losses
     outs = _launch(lambda i: [sys.executable, "-c", _STEP_WORKER, str(tmp_path / "two.npz")])
     for out, _ in outs:
         assert out.count("REFUSED ShardedDPStep batch: the 2 processes disagree on batch;") == 2, out[-2000:]

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from dp_testing import by_path, clip_between, lm_batch, lm_loss, max_rel_err, reference_grads, tiny_gpt2
 from flax import nnx
 
 import jaxdp
-from jaxdp.privatizer import GaussianPrivatizer
-from dp_testing import by_path, clip_between, lm_batch, lm_loss, max_rel_err, reference_grads, tiny_gpt2
+from jaxdp.noise.privatizer import GaussianPrivatizer
 
 SIGMA = 1.3
 EBS = 5.0
@@ -135,15 +135,15 @@ def test_accumulation_adds_noise_once():
 
 def test_each_leaf_reads_its_own_row_of_its_group_draw():
     """Leaves of one shape draw in one vmapped call, and each gets its row through
-    `jaxdp.clipping.rows_apart` (a barrier per row: XLA:GPU would otherwise merge all their updates into
+    `jaxdp.core.rows.rows_apart` (a barrier per row: XLA:GPU would otherwise merge all their updates into
     one kernel): the rows are the draw's, in order, eager and jitted; groups of other shapes draw apart."""
     keys = list(jax.random.split(fresh_key(), 4))
     leaves = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((16, 8), (8,), (16, 8), (16, 8))]
     std = 0.7
     square = std * jax.vmap(lambda k: jax.random.normal(k, (16, 8)))(jnp.stack([keys[0], keys[2], keys[3]]))
     want = [square[0], std * jax.random.normal(keys[1], (8,)), square[1], square[2]]
-    eager = jaxdp.noise.gaussians(keys, leaves, std)
-    jitted = jax.jit(lambda k: jaxdp.noise.gaussians(k, leaves, std))(keys)
+    eager = jaxdp.noise.draws.gaussians(keys, leaves, std)
+    jitted = jax.jit(lambda k: jaxdp.noise.draws.gaussians(k, leaves, std))(keys)
     ulps = 4 * float(jnp.finfo(jnp.float32).eps)  # XLA may fuse the scaling into the transform differently
     for got in (eager, jitted):
         for g, w in zip(got, want, strict=True):
@@ -151,16 +151,16 @@ def test_each_leaf_reads_its_own_row_of_its_group_draw():
     assert not np.array_equal(got[0], want[2])  # rows that differ: a swapped row would be caught
 
     stacked = jax.random.normal(fresh_key(), (5, 3, 2))
-    rows = jax.jit(jaxdp.clipping.rows_apart)(stacked)
+    rows = jax.jit(jaxdp.core.rows.rows_apart)(stacked)
     assert [r.shape for r in rows] == [(3, 2)] * 5
     for j, r in enumerate(rows):
         np.testing.assert_array_equal(r, stacked[j])
 
     # bench_throughput's `auto_merged` (its GPU A/B): the same values, without the barriers
     from jaxdp.analysis.rows_merged import rows_merged
-    program = lambda: str(jax.make_jaxpr(lambda k: jaxdp.noise.gaussians(k, leaves, std))(keys))
+    program = lambda: str(jax.make_jaxpr(lambda k: jaxdp.noise.draws.gaussians(k, leaves, std))(keys))
     with rows_merged():
-        merged, merged_program = jax.jit(lambda k: jaxdp.noise.gaussians(k, leaves, std))(keys), program()
+        merged, merged_program = jax.jit(lambda k: jaxdp.noise.draws.gaussians(k, leaves, std))(keys), program()
     for g, w in zip(merged, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=ulps, atol=ulps)
     assert "optimization_barrier" not in merged_program and "optimization_barrier" in program()
@@ -174,7 +174,7 @@ def test_default_noise_key_is_secret():
     keys = [jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS).init(params).noise_key for _ in range(2)]
     data = [np.asarray(jax.random.key_data(k)) for k in keys]
     assert not np.array_equal(data[0], data[1])
-    replay = np.asarray(jax.random.key_data(jaxdp.noise.check_key(jax.random.key(1), "replay")))
+    replay = np.asarray(jax.random.key_data(jaxdp.noise.draws.check_key(jax.random.key(1), "replay")))
     assert not any(np.array_equal(d, replay) for d in data)
     with pytest.raises(TypeError, match="key"):
         jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=5)
@@ -276,7 +276,7 @@ def attainable(noise, values) -> float:
 
 
 def fresh_key():
-    return jaxdp.noise.noise_key_from_seed(int(np.random.SeedSequence().entropy))
+    return jaxdp.noise.draws.noise_key_from_seed(int(np.random.SeedSequence().entropy))
 
 
 def test_floating_point_noise_attack():
@@ -285,7 +285,7 @@ def test_floating_point_noise_attack():
     wins on most coordinates (the example's presence is read off with certainty); with `secure=True` (sum
     of 4 draws / 2) both candidates fall among them at the rate of ideal float32 normals, and its noise is
     N(0, std^2)."""
-    std = jaxdp.noise.noise_std(1.0, 1.0)
+    std = jaxdp.clipping.rules.noise_std(1.0, 1.0)
     values = single_draw_values(std)
     d = 1 << 18
     rng = np.random.default_rng()
@@ -329,25 +329,25 @@ def test_secure_noise_survives_the_exclusion_attacks(sigma):
     """Attacker review 9 broke the first secure noise twice: where s and n cancel, fl32(s + n) is exact, so a
     candidate sum for which no float32 n gives y is ruled out (any float32 noise added in float32); and
     std / 2 applied after the sum of the draws left gaps of its mantissa (15% of values at sigma = 1.4).
-    Released through `jaxdp.noise.release(secure=True)` (snapped to a grid of ~std / 2^8, the draws scaled
+    Released through `jaxdp.noise.draws.release(secure=True)` (snapped to a grid of ~std / 2^8, the draws scaled
     before the sum) neither candidate is ever ruled out; unsnapped, the wrong one is."""
-    std = jaxdp.noise.noise_std(1.0, sigma)
+    std = jaxdp.clipping.rules.noise_std(1.0, sigma)
     d = 1 << 18
     rng = np.random.default_rng()
     others = (rng.standard_normal(d) * std).astype(np.float32)
     target = rng.standard_normal(d)
     other_candidate = (others + (target / np.linalg.norm(target)).astype(np.float32)).astype(np.float32)
-    gaussians = jax.jit(lambda key: jaxdp.noise.gaussians([key], [jax.ShapeDtypeStruct((d,), jnp.float32)], std,
+    gaussians = jax.jit(lambda key: jaxdp.noise.draws.gaussians([key], [jax.ShapeDtypeStruct((d,), jnp.float32)], std,
                                                           secure=True)[0])
     noise = np.asarray(gaussians(fresh_key()))
     assert abs(noise.std() / std - 1) < 0.01 and abs(noise.mean()) < 5 * std / np.sqrt(d)
     for secure in (False, True):
-        release = jax.jit(functools.partial(jaxdp.noise.release, std=std, secure=secure))
+        release = jax.jit(functools.partial(jaxdp.noise.draws.release, std=std, secure=secure))
         y = np.asarray(release(others, noise))   # the example is absent: `others` is the truth
         true, false = excluded(y, others, release).mean(), excluded(y, other_candidate, release).mean()
         if secure:
             assert true == 0 and false == 0, (true, false)
-            assert np.abs(y - (others + noise)).max() <= jaxdp.noise.snap_grid(std) / 2 * (1 + 1e-6)
+            assert np.abs(y - (others + noise)).max() <= jaxdp.noise.draws.snap_grid(std) / 2 * (1 + 1e-6)
         else:  # the planted error: the secure draws added without the grid
             assert true == 0 and false > 0.01, (true, false)
     # The draws are scaled before their sum: as many of the values lie in the image of x -> fl32(x * c),
@@ -370,7 +370,7 @@ def test_secure_noise_reaches_the_noise():
     draw the secure noise (off the single draw's values); the default draws one normal per value; a
     non-bool flag is refused, naming it."""
     C, sigma = 1.0, 1.0
-    values = single_draw_values(jaxdp.noise.noise_std(C, sigma))
+    values = single_draw_values(jaxdp.clipping.rules.noise_std(C, sigma))
     grads = {"w": jax.random.normal(jax.random.key(np.random.SeedSequence().entropy % 2**31), (2, 256, 512))}
     params = {"w": jnp.zeros((256, 512))}
     updates = {}
@@ -386,7 +386,7 @@ def test_secure_noise_reaches_the_noise():
     # A bf16 leaf (attacker review 10): drawn, added and snapped in float32, then cast; a std whose grid
     # would overflow float32 is refused.
     bf16 = jax.ShapeDtypeStruct((1 << 16,), jnp.bfloat16)
-    (drawn,) = jaxdp.noise.gaussians([fresh_key()], [bf16], 1.0, secure=True)
+    (drawn,) = jaxdp.noise.draws.gaussians([fresh_key()], [bf16], 1.0, secure=True)
     assert drawn.dtype == jnp.float32 and np.unique(np.asarray(drawn)).size > 60_000
     released, _ = GaussianPrivatizer(1.0, 1.0, True).update(jnp.ones(bf16.shape, jnp.bfloat16), fresh_key())
     assert released.dtype == jnp.bfloat16
@@ -395,7 +395,7 @@ def test_secure_noise_reaches_the_noise():
 
     class One(nnx.Module):
         def __init__(self):
-            self.lin = jaxdp.nn.Linear(64, 512, rngs=nnx.Rngs(0))
+            self.lin = jaxdp.core.nn.Linear(64, 512, rngs=nnx.Rngs(0))
 
     def loss_fn(model, batch):
         return jnp.where(batch["mask"], model.lin(batch["x"]).sum((1, 2)), 0.0)
@@ -407,10 +407,10 @@ def test_secure_noise_reaches_the_noise():
     _, out = step(step.init(One()), batch)
     noise = np.asarray(out["grads"]["lin"]["kernel"])
     assert attainable(noise, values) < 0.3
-    assert abs(noise.std() / jaxdp.noise.noise_std(C, sigma) - 1) < 0.03
+    assert abs(noise.std() / jaxdp.clipping.rules.noise_std(C, sigma) - 1) < 0.03
 
-    from jaxdp.training import steps
     from experiments.configs import default
+    from jaxdp.training import steps
     config = default.get_config()
     config.dp.secure_noise = True
     seen = {}
@@ -448,15 +448,15 @@ def test_several_processes_share_one_noise_key_and_seed(monkeypatch):
     process_0 = sum(0x01020304 << (32 * i) for i in range(8))
     key = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS).init(params).noise_key
     assert np.array_equal(np.asarray(jax.random.key_data(key)),
-                          np.asarray(jax.random.key_data(jaxdp.noise.noise_key_from_seed(process_0))))
-    assert jaxdp.sampling.PoissonSampler(100, 10, max_batch_size=32).seed == process_0 % 2**128
+                          np.asarray(jax.random.key_data(jaxdp.noise.draws.noise_key_from_seed(process_0))))
+    assert jaxdp.sampling.poisson.PoissonSampler(100, 10, max_batch_size=32).seed == process_0 % 2**128
     assert [w.shape for w in sent] == [(8,), (4,)] and all((w != 0x01020304).any() for w in sent)
     with pytest.raises(ValueError, match="several processes"):
         jax.jit(jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS).init)(params)
     pinned = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=jax.random.key(3))
     assert pinned.init(params).noise_key is not None and len(sent) == 2  # a pinned key is the user's
     # review 15: 100 bits were broadcast as 3 words (96 bits)
-    assert jaxdp.seeds.secret_seed(100) == process_0 % 2**100 and sent[-1].shape == (4,)
+    assert jaxdp.noise.seeds.secret_seed(100) == process_0 % 2**100 and sent[-1].shape == (4,)
     # review 15: without jax.distributed, process_count() (which starts JAX's backends) is not asked
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
-    assert not jaxdp.seeds.several_processes() and len(sent) == 3
+    assert not jaxdp.noise.seeds.several_processes() and len(sent) == 3

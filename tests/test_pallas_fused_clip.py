@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dp_testing import first_updates_fn, lm_loss, max_rel_err
 from flax import nnx
+from test_fused_clip_reference import CLIPPINGS, EXPECTED_BATCH_SIZE, RTOL, expected_update, setup
 
 import jaxdp
-import jaxdp.reference  # the vmap oracle: not exported by jaxdp
-from dp_testing import first_updates_fn, lm_loss, max_rel_err
-from jaxdp.terms import DenseTerm, FactoredGrad, LinearTerm, instantiate
-from test_fused_clip_reference import CLIPPINGS, EXPECTED_BATCH_SIZE, RTOL, expected_update, setup
+import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
+from jaxdp.core.terms import DenseTerm, FactoredGrad, LinearTerm, instantiate
 
 # Every clipping and every clip_fn, each clip_fn once under the single-pass kernel (per_layer): clip_fn
 # maps norms to factors in jnp between the kernels, the same code for every clipping; the full grid runs
@@ -64,7 +64,7 @@ def test_per_layer_takes_the_single_pass_kernel(monkeypatch):
                         lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
     model, batch, C, _ = setup(False)
     _, grads = jax.eval_shape(jaxdp.per_example_grads(lm_loss), model, batch)
-    num_linear = sum(isinstance(m, jaxdp.nn.Linear) for _, m in nnx.iter_graph(model))
+    num_linear = sum(isinstance(m, jaxdp.core.nn.Linear) for _, m in nnx.iter_graph(model))
     jax.eval_shape(lambda g: jaxdp.clipped_aggregate(g, C, clipping="per_layer", strategy="pallas"), grads)
     assert len(calls) == num_linear + 1  # + the tied embedding's head use
     calls.clear()
@@ -101,7 +101,7 @@ def _two_layer_grads(seed):
 def test_single_pass_drops_non_finite_examples_like_the_reference(clip_fn):
     factored, dense = _two_layer_grads(seed=21)
     C = 3.0
-    expected, expected_norms = jaxdp.reference.clipped_sum(dense, C, clipping="per_layer", clip_fn=clip_fn)
+    expected, expected_norms = jaxdp.core.reference.clipped_sum(dense, C, clipping="per_layer", clip_fn=clip_fn)
     assert not bool(jnp.isfinite(expected_norms[("b",)][2]))  # the overflow really happens
     sums, norms = jaxdp.clipped_aggregate(factored, C, clipping="per_layer", clip_fn=clip_fn,
                                           strategy="pallas", chunk_size=2)
@@ -114,9 +114,9 @@ def test_single_pass_drops_non_finite_examples_like_the_reference(clip_fn):
 
 def test_planted_error_skipping_the_late_drop_is_caught(monkeypatch):
     """Without the recompute after the global drop rule, example 2 leaks into layer a's sum."""
-    from jaxdp import single_pass_clipping
+    from jaxdp.clipping import single_pass as single_pass_clipping
     monkeypatch.setattr(single_pass_clipping, "redo_if_dropped_late", lambda linear_sums, *_: linear_sums)
     factored, dense = _two_layer_grads(seed=21)
-    expected, _ = jaxdp.reference.clipped_sum(dense, 3.0, clipping="per_layer")
+    expected, _ = jaxdp.core.reference.clipped_sum(dense, 3.0, clipping="per_layer")
     sums, _ = jaxdp.clipped_aggregate(factored, 3.0, clipping="per_layer", strategy="pallas", chunk_size=2)
     assert max_rel_err(_by_path(sums), expected) > 1e-2

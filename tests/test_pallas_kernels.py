@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxdp import pallas as jp
-from jaxdp.clipping import SENSITIVITY_FACTOR
+from jaxdp.clipping.rules import SENSITIVITY_FACTOR
 from jaxdp.pallas import _common
 
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}

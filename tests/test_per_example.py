@@ -3,21 +3,21 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from dp_testing import by_path, lm_batch, lm_loss, reference_grads, tiny_gpt2
 from flax import nnx
 
 import jaxdp
-from dp_testing import by_path, lm_batch, lm_loss, reference_grads, tiny_gpt2
 
 
 class MixedNet(nnx.Module):
     """jaxdp layers plus parameters no rule covers: a flax nnx.Linear and a raw scalar Param."""
 
     def __init__(self, rngs):
-        self.inp = jaxdp.nn.Linear(8, 16, rngs=rngs)
-        self.norm = jaxdp.nn.LayerNorm(16)
+        self.inp = jaxdp.core.nn.Linear(8, 16, rngs=rngs)
+        self.norm = jaxdp.core.nn.LayerNorm(16)
         self.plain = nnx.Linear(16, 16, rngs=rngs)
-        self.rms = jaxdp.nn.RMSNorm(16)
-        self.out = jaxdp.nn.Linear(16, 4, use_bias=False, rngs=rngs)
+        self.rms = jaxdp.core.nn.RMSNorm(16)
+        self.out = jaxdp.core.nn.Linear(16, 4, use_bias=False, rngs=rngs)
         self.temperature = nnx.Param(jnp.array(1.5))
 
     def __call__(self, x_BTF):
@@ -46,7 +46,7 @@ def test_fallback_gives_exact_per_example_grads():
     assert isinstance(grads[("temperature",)].terms[0], jaxdp.DenseTerm)
     assert isinstance(grads[("inp", "kernel")].terms[0], jaxdp.LinearTerm)
     for path, grad in grads.items():
-        dense = sum(jaxdp.terms.instantiate(t) for t in grad.terms)
+        dense = sum(jaxdp.core.terms.instantiate(t) for t in grad.terms)
         assert float(jnp.max(jnp.abs(dense - ref[path])) / jnp.max(jnp.abs(ref[path]))) <= 1e-5, path
 
 
@@ -64,7 +64,7 @@ def test_loss_fn_returning_scalar_is_rejected():
 
 class OneLinear(nnx.Module):
     def __init__(self, rngs):
-        self.lin = jaxdp.nn.Linear(8, 1, rngs=rngs)
+        self.lin = jaxdp.core.nn.Linear(8, 1, rngs=rngs)
         self.table = nnx.Variable(jnp.ones((1, 3, 8)))  # not a parameter: a table shared by the batch
 
     def __call__(self, x):
@@ -149,7 +149,7 @@ def test_accounting_bad_delta():
 
 
 def test_auto_strategy_follows_cost_model():
-    from jaxdp.norm_costs import choose_method
+    from jaxdp.clipping.norm_costs import choose_method
     # fastDP's rule where memory allows: ghost iff 2 T^2 < P D.
     assert choose_method("linear", B=8, T=128, P=768, D=3072) == "ghost"
     assert choose_method("linear", B=8, T=4096, P=768, D=3072) == "instantiate"
@@ -163,8 +163,8 @@ def test_auto_strategy_follows_cost_model():
 def test_auto_stores_per_example_gradients_where_faster():
     """With H100 rates, GPT-2 small's block layers keep G_b at T = 1024 (the clipped-sum GEMM is
     skipped), not at T = 128 (ghost norms are cheaper than writing G_b); the budget caps the total."""
-    from jaxdp import device_rates
-    from jaxdp.norm_costs import linear_layer_cost, plan_stored
+    from jaxdp.clipping import device_rates
+    from jaxdp.clipping.norm_costs import linear_layer_cost, plan_stored
     d = 768
     layers = {"c_attn": (d, 3 * d), "c_proj": (d, d), "c_fc": (d, 4 * d), "mlp_proj": (4 * d, d)}
     h100 = device_rates.H100
@@ -189,7 +189,7 @@ def test_auto_stores_per_example_gradients_where_faster():
                                       ("NVIDIA H200 NVL", "H200"), ("cpu", "CPU")])
 def test_device_rates_row_by_device_kind(kind, row, monkeypatch):
     """`auto` plans with the rates measured on the device it runs on (the H200 row is from a real one)."""
-    from jaxdp import device_rates
+    from jaxdp.clipping import device_rates
     monkeypatch.setenv("JAXDP_DEVICE_KIND", kind)
     assert device_rates.current() is getattr(device_rates, row)
 
@@ -202,8 +202,8 @@ def test_stored_bf16_per_example_gradients_equal_float64_reference(plant, monkey
     stalls: the attacker's review of f8d3534 found 1000 lookups of 1.0 summed to 256)."""
     import numpy as np
 
-    from jaxdp import norms
-    from jaxdp.terms import EmbedTerm, FactoredGrad, LinearTerm
+    from jaxdp.clipping import norms
+    from jaxdp.core.terms import EmbedTerm, FactoredGrad, LinearTerm
     B, T, V, D, C = 3, 1024, 11, 16, 0.5
     kx, kg, ki, kl = jax.random.split(jax.random.key(11), 4)
     x = jax.random.normal(kx, (B, T, D), jnp.bfloat16)

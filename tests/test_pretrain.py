@@ -24,12 +24,14 @@ import pytest
 from flax import nnx
 
 from experiments.configs import default
-from jaxdp import noise, sampling, training
-from jaxdp import seeds
+from jaxdp import training
+from jaxdp.noise import draws as noise
+from jaxdp.noise import seeds
+from jaxdp.sampling import poisson as sampling
 from jaxdp.training import run_dir
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-CORPUS = REPO / "jaxdp" / "corpora" / "sotu.jsonl.gz"
+CORPUS = REPO / "jaxdp" / "data" / "corpora" / "sotu.jsonl.gz"
 
 TINY = {
     "seed": 0,  # pinned: runs are compared bit for bit (the default, None, draws a secret root per run)
@@ -91,8 +93,8 @@ def run_cli(args, module="experiments.pretrain_gpt2", **kw):
 
 
 def params_of_model(model):
-    from flax import nnx
     import jax
+    from flax import nnx
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
@@ -187,7 +189,8 @@ def test_privacy_receipt_states_what_ran_and_holds_no_secret(reference_run):
 def assert_delta_pays_the_sampling_slack(summary):
     """Default delta min(10^-(digits of N + 1), 1e-5) < 1/(10 N); max_batch_size sized so the overflow slack
     is <= delta / 10; the accountant ran at delta - slack."""
-    from jaxdp import accounting, sampling
+    from jaxdp.accounting import accountant as accounting
+    from jaxdp.sampling import poisson as sampling
     n, q, steps = summary["num_train_units"], summary["sampling_probability"], summary["steps"]
     delta, slack = summary["delta"], summary["sampling_slack"]
     assert delta == accounting.default_delta(n) < 0.1 / n and summary["delta_from"].startswith("default")
@@ -387,6 +390,7 @@ def test_the_progress_line_names_only_finished_steps(corpus, tmp_path, monkeypat
     outputs of the programs that updated the model) are ready, and the last update the last step."""
     import jax
     import jax.numpy as jnp
+
     from jaxdp.training import loop
 
     def heavy(x):
@@ -452,7 +456,8 @@ def test_budget_stops_before_exceeding_target(corpus, tmp_path, monkeypatch):
     """A fixed sigma with a target epsilon that 6 steps reach: training stops before the 7th. The run
     uses dp.method="two_pass" (ShardedDPStep on one device) and stops at a step that is not a
     multiple of log_every: the saved final parameters must be the trainer's, not the last log step's."""
-    from jaxdp import accounting, privacy_budget
+    from jaxdp.accounting import accountant as accounting
+    from jaxdp.accounting import budget as privacy_budget
     from jaxdp.training import loop
     sigma = 1.0
 
@@ -605,7 +610,7 @@ def test_pld_is_the_default_accountant_and_needs_less_noise(corpus, tmp_path):
     pld = training.prepare(tiny_config(corpus, tmp_path / "a"))
     rdp = training.prepare(tiny_config(corpus, tmp_path / "b", accountant="rdp"))
     assert pld.noise_multiplier < 0.95 * rdp.noise_multiplier
-    from jaxdp import accounting
+    from jaxdp.accounting import accountant as accounting
     eps = accounting.epsilon(pld.noise_multiplier, pld.sampler.sampling_probability, 6, pld.delta_mechanism,
                              accountant="pld", value_discretization_interval=pld.pld_interval)
     assert 0.99 * 8.0 <= eps <= 8.0 and TINY["steps"] == 6
@@ -663,7 +668,7 @@ def test_cli_end_to_end(cli_run):
 def assert_samples_continue_public_prompts(workdir, corpus, prompts):
     """samples.txt continues `prompts` (cycling) and holds no text of a validation window: no span of 8
     tokens (the prompts 9428dda cut from validation windows), decoded, appears in it."""
-    from jaxdp import data
+    from jaxdp.data import windows as data
     text = (workdir / "samples.txt").read_text()
     shown = [line.removeprefix("[prompt] ") for line in text.splitlines() if line.startswith("[prompt] ")]
     assert shown == [prompts[i % len(prompts)] for i in range(len(shown))] and shown

@@ -1,6 +1,6 @@
 """Privacy per document or per user (issue 15 item 1): each unit's summed gradient is clipped.
 
-A batch of units is U blocks of K consecutive windows; `jaxdp.terms.group_examples` turns the K windows'
+A batch of units is U blocks of K consecutive windows; `jaxdp.core.terms.group_examples` turns the K windows'
 factored gradients into one unit's, exactly and without vmap. Checked against the vmap reference over
 units (the gradient of the unit's summed window losses, clipped), with a planted error (clipping each
 window instead of its unit) caught; the bound holds where per-window clipping would let K * C through;
@@ -15,16 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from dp_accounting import pld
+from dp_testing import by_path, max_rel_err, tiny_gpt2
 from flax import nnx
 
 import jaxdp
-import jaxdp.reference  # the vmap oracle: not exported by jaxdp
-from dp_testing import by_path, max_rel_err, tiny_gpt2
-from jaxdp import data
-from jaxdp.clipping import SENSITIVITY_FACTOR
-from jaxdp.aggregation import clipped_aggregate
-from jaxdp.losses import lm_losses
-from jaxdp.terms import group_examples
+import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
+from jaxdp.clipping.aggregation import clipped_aggregate
+from jaxdp.clipping.rules import SENSITIVITY_FACTOR
+from jaxdp.core.losses import lm_losses
+from jaxdp.core.terms import group_examples
+from jaxdp.data import windows as data
 
 U, K, T, V = 3, 2, 12, 97
 RTOL = 1e-5  # float32 at the highest matmul precision (as tests/test_fused_clip_reference.py)
@@ -68,7 +68,7 @@ def fast_sums(model, batch, C, clipping, windows_per_unit):
 
 @nnx.jit
 def reference_unit_grads(model, batch):
-    return jaxdp.reference.per_example_grads(unit_losses, model, by_units(batch))[1]
+    return jaxdp.core.reference.per_example_grads(unit_losses, model, by_units(batch))[1]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def setup():
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_unit_clipping_equals_vmap_reference_over_units(setup, clipping):
     model, batch, grads, C = setup
-    expected, _ = jaxdp.reference.clipped_sum(grads, C, clipping=clipping)
+    expected, _ = jaxdp.core.reference.clipped_sum(grads, C, clipping=clipping)
     for strategy, sums in zip(STRATEGIES, fast_sums(model, batch, C, clipping, K)):
         assert max_rel_err(by_path(sums), expected) <= RTOL, strategy
     # Planted error: clipping each window rather than its unit is caught.
@@ -125,6 +125,7 @@ def test_group_examples_rejects_a_batch_that_does_not_split():
 def user_corpus(directory, num_users=10, docs_per_user=4):
     """A jsonl of real text (State of the Union excerpts), each document tagged with its writer."""
     import gzip
+
     from test_pretrain import CORPUS
     with gzip.open(CORPUS, "rt") as f:
         texts = [json.loads(line)["text"] for _, line in zip(range(4), f)]
@@ -137,6 +138,7 @@ def user_corpus(directory, num_users=10, docs_per_user=4):
 
 def test_user_level_job_samples_users_and_accounts_at_their_rate(tmp_path):
     from test_pretrain import tiny_config
+
     from jaxdp import training
     from jaxdp.training import receipt
     corpus, ids = user_corpus(tmp_path)
@@ -168,6 +170,7 @@ def test_a_public_bound_on_n_makes_the_receipt_the_same_for_neighbours(tmp_path)
     receipts are equal; the sample draws over B and keeps only real units, each with probability q; a bound
     at or below N is refused."""
     from test_pretrain import tiny_config
+
     from jaxdp import training
     from jaxdp.training import receipt
     corpus, ids = user_corpus(tmp_path)
@@ -216,6 +219,7 @@ def test_a_public_bound_on_n_makes_the_receipt_the_same_for_neighbours(tmp_path)
 ])
 def test_bad_unit_config_is_rejected(tmp_path, overrides, needle):
     from test_pretrain import tiny_config
+
     from jaxdp import training
     corpus = tmp_path / "book.txt"
     corpus.write_text("Some text of a book.\n\nAnother paragraph of it.\n" * 50)

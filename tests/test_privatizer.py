@@ -1,4 +1,4 @@
-"""The privatizer (`jaxdp.privatizer`): the Gaussian mechanism on a clipped sum, the only noise in the library.
+"""The privatizer (`jaxdp.noise.privatizer`): the Gaussian mechanism on a clipped sum, the only noise in the library.
 
 Properties: zero noise releases sum / expected batch exactly; the noise is N(0, std^2), fresh each step,
 reproduced by a pinned key; a reduce-scattered leaf's blocks differ across shards while a replicated leaf
@@ -14,8 +14,9 @@ import numpy as np
 import optax
 import pytest
 
-from jaxdp import noise
-from jaxdp.privatizer import GaussianPrivatizer
+from jaxdp.clipping.rules import SENSITIVITY_FACTOR, noise_std
+from jaxdp.noise import draws as noise
+from jaxdp.noise.privatizer import GaussianPrivatizer
 
 EBS = 8.0
 
@@ -68,7 +69,7 @@ def test_a_sharded_leaf_draws_its_own_block_and_a_replicated_one_the_single_devi
 
 
 def test_as_an_optax_transform_it_is_update():
-    privatizer = GaussianPrivatizer.for_clip(1.0, 0.5, EBS)
+    privatizer = GaussianPrivatizer(noise_std(1.0, 0.5), EBS)
     key = jax.random.key(5)
     tx = optax.chain(privatizer.transform(key=key), optax.sgd(1.0))
     sums = sums_tree(1)
@@ -76,7 +77,7 @@ def test_as_an_optax_transform_it_is_update():
     released, _ = privatizer.update(sums, noise.check_key(key, "test"))
     for k in sums:
         np.testing.assert_allclose(np.asarray(updates[k]), -np.asarray(released[k]), rtol=1e-6)
-    assert privatizer.std == noise.noise_std(1.0, 0.5)
+    assert privatizer.std == 0.5 * SENSITIVITY_FACTOR
 
 
 @pytest.mark.parametrize("std,ebs,secure", [(float("nan"), 1.0, False), (-1.0, 1.0, False), (1.0, 0.0, False),
@@ -90,6 +91,6 @@ def test_no_other_module_draws_dp_noise():
     """The noise draws (`gaussians`, `release`, `split_step_key`) are called from the privatizer alone."""
     root = pathlib.Path(__file__).resolve().parents[1] / "jaxdp"
     callers = sorted(str(f.relative_to(root)) for f in root.rglob("*.py")
-                     if f.name not in ("noise.py", "privatizer.py")
+                     if str(f.relative_to(root)) not in ("noise/draws.py", "noise/privatizer.py")
                      and re.search(r"\b(gaussians|release|split_step_key)\(", f.read_text()))
     assert callers == [], callers

@@ -19,7 +19,7 @@ from dp_testing import (
 from flax import nnx
 
 import jaxdp
-import jaxdp.reference  # the vmap oracle: not exported by jaxdp
+import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.models.remat import REMAT_POLICIES, remat_policy
 
@@ -43,7 +43,7 @@ def reference(name):
     batch = lm_batch(seed=12)
     _, ref_grads = reference_grads(lm_loss, model, batch)
     C = clip_between(ref_grads)
-    sums, _ = jaxdp.reference.clipped_sum(ref_grads, C, clipping="per_layer")
+    sums, _ = jaxdp.core.reference.clipped_sum(ref_grads, C, clipping="per_layer")
     return C, {p: s / EXPECTED_BATCH_SIZE for p, s in sums.items()}
 
 

@@ -1,4 +1,4 @@
-"""Tests for jaxdp.sampling: Poisson statistics, reproducibility, secret seeds, layout, overflow."""
+"""Tests for jaxdp.sampling.poisson: Poisson statistics, reproducibility, secret seeds, layout, overflow."""
 
 import math
 import secrets
@@ -8,8 +8,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from jaxdp import binomial, chacha, sampling
-from jaxdp import seeds
+from jaxdp.noise import chacha, seeds
+from jaxdp.sampling import binomial
+from jaxdp.sampling import poisson as sampling
 
 # Tolerances are in standard deviations of the statistic under test. With the
 # seeds fixed the tests are deterministic; Z makes a false failure under a

@@ -1,10 +1,10 @@
-"""The run's seeds (`jaxdp.seeds`): derived seeds fixed across versions, independent per path, never from a
+"""The run's seeds (`jaxdp.noise.seeds`): derived seeds fixed across versions, independent per path, never from a
 guessable root by accident, NumPy only."""
 
 import numpy as np
 import pytest
 
-from jaxdp import seeds
+from jaxdp.noise import seeds
 
 
 def test_derived_seeds_are_those_of_every_earlier_version():

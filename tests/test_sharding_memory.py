@@ -5,7 +5,7 @@
   device fall as 1/S with the `seq` degree S (context parallelism).
 - The non-DP step on the same layout (`ShardedDPStep(private=False)`)
   equals the single-device non-DP Adam step.
-- `jaxdp.sharding.collectives` counts a hand-built program's collectives
+- `jaxdp.analysis.collectives` counts a hand-built program's collectives
   by its ring formulas, and the DP - non-DP difference of the sharded steps
   is exactly what DP adds: nothing over `data`; under context parallelism
   the per-example reduce-scatter, the B-float norm psums and the embedding
@@ -24,9 +24,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdp import sharding
+from jaxdp.analysis import collectives
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
-from jaxdp.sharding import collectives
 
 RTOL = 1e-5
 C, EBS, LR = 0.05, 7.0, 1e-2

@@ -22,8 +22,8 @@ from dp_testing import (
 from flax import nnx
 
 import jaxdp
-import jaxdp.reference  # the vmap oracle: not exported by jaxdp
-from jaxdp import two_pass
+import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
+from jaxdp.clipping import two_pass
 from jaxdp.models.llama import Llama, LlamaConfig
 
 RTOL = 1e-5  # float32, highest matmul precision
@@ -49,7 +49,7 @@ def test_equals_reference(name):
     C = clip_between(ref_grads)
     results = all_configs_fn(lm_loss, C)(model, batch)
     for (clip_fn, strategy), (losses, sums, norms) in zip(CONFIGS, results):
-        expected, ref_norms = jaxdp.reference.clipped_sum(ref_grads, C, clip_fn=clip_fn)
+        expected, ref_norms = jaxdp.core.reference.clipped_sum(ref_grads, C, clip_fn=clip_fn)
         assert max_rel_err(sums, expected) <= RTOL, (clip_fn, strategy)
         assert float(jnp.max(jnp.abs(norms - ref_norms["all"]))) <= RTOL * float(jnp.max(ref_norms["all"]))
         assert float(losses[-1]) == 0.0  # the masked example
@@ -68,7 +68,7 @@ def poisoned_setup():
     C = clip_between(reference_grads(scaled_loss, model, batch)[1])
 
     def reference(model, batch):
-        return jaxdp.reference.clipped_sum(reference_grads(scaled_loss, model, batch)[1], C)[0]
+        return jaxdp.core.reference.clipped_sum(reference_grads(scaled_loss, model, batch)[1], C)[0]
 
     return model, batch, C, reference, nnx.jit(two_pass.two_pass_clipped_sums(scaled_loss, C))
 
@@ -101,13 +101,13 @@ def test_planted_error_without_cross_term_is_caught(monkeypatch):
     """Treating the tied embedding's two uses as separate parameters (no cross term) changes the sums."""
     model, batch, C, reference, _ = poisoned_setup()
     expected = reference(model, batch)
-    real = jaxdp.norms.squared_norms_and_roots
+    real = jaxdp.clipping.norms.squared_norms_and_roots
 
     def without_cross_terms(grad, **kw):
         parts = [real(jaxdp.FactoredGrad((t,)), **kw) for t in grad.terms]
         return sum(sq for sq, _ in parts), sum(roots for _, roots in parts)
 
-    monkeypatch.setattr(jaxdp.norms, "squared_norms_and_roots", without_cross_terms)
+    monkeypatch.setattr(jaxdp.clipping.norms, "squared_norms_and_roots", without_cross_terms)
     _, sums, _ = nnx.jit(two_pass.two_pass_clipped_sums(scaled_loss, C))(model, batch)
     assert max_rel_err(sums, expected) > 100 * RTOL
 

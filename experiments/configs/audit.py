@@ -2,7 +2,7 @@
 
 Black box (the default): random-token canaries join the default CPU run's
 training windows, scored by their loss drop. White box: gradient canaries on a
-tiny softmax regression through the same DP step (`jaxdp.audit_runs`).
+tiny softmax regression through the same DP step (`jaxdp.auditing.runs`).
 """
 
 from ml_collections import config_dict

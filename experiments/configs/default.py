@@ -81,6 +81,6 @@ def get_config() -> config_dict.ConfigDict:
     c.dp.method = "bookkeeping"          # "bookkeeping" (one backward) | "two_pass" (norms, then a clip-weighted backward; flat only)
     c.dp.overflow = "truncate"           # Poisson draw above max_batch_size: "truncate" | "resample" | "error"
     c.dp.secure_noise = False            # True: noise of 4 draws per value and the noisy sum snapped to a grid
-                                         # (against floating-point attacks on released noisy sums; jaxdp.noise)
+                                         # (against floating-point attacks on released noisy sums; jaxdp.noise.draws)
     c.lock()
     return c

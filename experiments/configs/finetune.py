@@ -4,7 +4,7 @@
 `finetune` section. The model shape and the tokenizer come from
 `finetune.init` (`config.model` and `data.tokenizer` stay "init"; config.json
 records what they resolved to). The data is the Rotten Tomatoes sentiment
-jsonl of `python -m experiments.rotten_tomatoes` (`jaxdp.tasks`), or any
+jsonl of `python -m experiments.rotten_tomatoes` (`jaxdp.data.tasks`), or any
 corpus `data.path` takes. One snippet is one privacy unit (a document).
 """
 

@@ -1,4 +1,4 @@
-"""`bench_throughput`'s `auto_merged`: auto without `jaxdp.clipping.rows_apart`'s barriers, for its A/B on a GPU.
+"""`bench_throughput`'s `auto_merged`: auto without `jaxdp.core.rows.rows_apart`'s barriers, for its A/B on a GPU.
 
 In the library so that a test imports it without bench_throughput's absl flags."""
 
@@ -13,10 +13,10 @@ def rows_merged():
     Trace only a fresh jitted function inside it: jit keeps a program traced here for later calls."""
     from unittest import mock
 
-    import jaxdp
+    from jaxdp.core import rows as rows_lib
 
     def rows(stacked):
         return [stacked[j] for j in range(stacked.shape[0])]
 
-    with mock.patch.object(jaxdp.clipping, "rows_apart", rows), mock.patch.object(jaxdp.noise, "rows_apart", rows):
+    with mock.patch.object(rows_lib, "rows_apart", rows):
         yield

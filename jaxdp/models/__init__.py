@@ -1,1 +1,1 @@
-"""Language models built from `jaxdp.nn` layers."""
+"""Language models built from `jaxdp.core.nn` layers."""

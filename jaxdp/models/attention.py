@@ -17,7 +17,7 @@ WORKSPACE.md, "Design decisions", causal_attention). DP and
 non-DP use the same attention: it has no parameters, and the per-example
 gradients of the projections around it are exact for either implementation.
 
-Context parallelism (`jaxdp.models.sequence_shards`): keys and values of every
+Context parallelism (`jaxdp.core.sequence_shards`): keys and values of every
 shard are all-gathered and the mask is causal on GLOBAL positions, which is
 not cuDNN's causal mask (queries of shard s start at position s T / S), so
 the sequence-sharded step uses XLA attention with an explicit mask.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxdp.models import sequence_shards as context
+from jaxdp.core import sequence_shards as context
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 

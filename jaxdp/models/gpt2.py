@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdp import nn
+from jaxdp.core import nn
+from jaxdp.core import sequence_shards as context
 from jaxdp.models import attention
 from jaxdp.models.remat import remat_block, remat_policy
-from jaxdp.models import sequence_shards as context
 
 PRESETS = {
     # name: (n_layer, n_head, d_model)
@@ -144,7 +144,7 @@ class GPT2(nnx.Module):
                             embedding_init=nnx.initializers.normal(0.01), rngs=rngs)
         self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layer)])
         self.ln_f = nn.LayerNorm(config.d_model, epsilon=config.layer_norm_epsilon, dtype=dtype)
-        self.soft_prompt = nnx.data(None)  # prompt tuning: a jaxdp.nn.SoftPrompt (jaxdp.finetune.add_soft_prompt)
+        self.soft_prompt = nnx.data(None)  # prompt tuning: a jaxdp.core.nn.SoftPrompt (jaxdp.finetune.methods.add_soft_prompt)
 
     def __call__(self, tokens_BT: jax.Array, *, seq_axis: str | None = None) -> jax.Array:
         return self.head(self.features(tokens_BT, seq_axis=seq_axis))
@@ -183,5 +183,5 @@ class GPT2(nnx.Module):
 
     def frozen_head(self) -> Callable[[jax.Array], jax.Array] | None:
         """`head` when its weights are frozen (fine-tuning), else None: a loss may then run the head over
-        chunks of tokens (`jaxdp.losses.token_nll`)."""
+        chunks of tokens (`jaxdp.core.losses.token_nll`)."""
         return None if jax.tree.leaves(nnx.state(self.wte, nnx.Param)) else self.head

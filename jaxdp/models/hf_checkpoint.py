@@ -174,7 +174,7 @@ def save_checkpoint(model: nnx.Module, path, hf_config: dict, names: Names, dtyp
     """Writes `model`'s variables as `names` says, and `hf_config`, as an HF checkpoint directory.
 
     `layout` names the HF layout for the message when the model has variables it has no place for
-    (LoRA layers must be merged first, `jaxdp.finetune.merge_lora`; adapters and soft prompts are refused).
+    (LoRA layers must be merged first, `jaxdp.finetune.methods.merge_lora`; adapters and soft prompts are refused).
     """
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype must be one of {SAVE_DTYPES}, got {dtype!r}")
@@ -182,7 +182,7 @@ def save_checkpoint(model: nnx.Module, path, hf_config: dict, names: Names, dtyp
     extra = sorted("/".join(map(str, p)) for p in set(values) - {p for p, _ in names.values()})
     if extra:
         raise ValueError(f"model has variables {layout} has no place for: {extra[:8]}; merge LoRA "
-                         "layers with jaxdp.finetune.merge_lora, and save adapters / soft prompts with nnx state")
+                         "layers with jaxdp.finetune.methods.merge_lora, and save adapters / soft prompts with nnx state")
     out_dtype = jnp.dtype(dtype)
     tensors = {}
     for hf, (p, transposed) in names.items():

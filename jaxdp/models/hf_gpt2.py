@@ -4,7 +4,7 @@ Local checkpoint directories (`jaxdp.models.hf_checkpoint`: `config.json`
 and `model.safetensors`, or a sharded index); nothing here reaches a network.
 
 HF's GPT-2 stores its projections as `Conv1D` weights of shape (in, out), the
-layout of our `jaxdp.nn.Linear` kernels, so no tensor is transposed; its
+layout of our `jaxdp.core.nn.Linear` kernels, so no tensor is transposed; its
 fused `c_attn` splits into q | k | v along the output axis and each into
 heads `(n_head, head_dim)`, as `jaxdp.models.gpt2.Attention` does. The head is
 tied to `wte` (`lm_head.weight`, when present, must equal it). HF's causal
@@ -108,7 +108,7 @@ def save_hf_gpt2(model: GPT2, path: str | os.PathLike, *, dtype: str = "float32"
     """Writes `model` as an HF GPT-2 checkpoint directory (`config.json`, `model.safetensors`).
 
     Frozen and trainable parameters alike are written. A model with LoRA
-    layers must be merged first (`jaxdp.finetune.merge_lora`); adapters and
+    layers must be merged first (`jaxdp.finetune.methods.merge_lora`); adapters and
     soft prompts have no place in HF's GPT-2 layout and are refused.
 
     Args:

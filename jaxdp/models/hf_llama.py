@@ -155,7 +155,7 @@ def save_hf_llama(model: Llama, path: str | os.PathLike, *, dtype: str = "float3
     """Writes `model` as an HF Llama checkpoint directory (`config.json`, `model.safetensors`), tensor
     names with the `model.` prefix of `LlamaForCausalLM` (the head as `lm_head.weight`).
 
-    A model with LoRA layers must be merged first (`jaxdp.finetune.merge_lora`); adapters and soft
+    A model with LoRA layers must be merged first (`jaxdp.finetune.methods.merge_lora`); adapters and soft
     prompts have no place in HF's layout and are refused. `dtype`: "float32", "bfloat16" or "float16".
     """
     if not isinstance(model, Llama):

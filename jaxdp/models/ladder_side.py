@@ -16,9 +16,9 @@ Memory: every backbone state enters the side network under `stop_gradient`,
 so the backward never enters the backbone: none of its internal activations
 (attention, 4d MLP) are kept, only the states h_i the down-projections read
 (their per-example gradients are LinearTerms of h_i). The side network is
-built from `jaxdp.nn` layers (`Linear`, `LayerNorm`, `Gate`, GPT-2 `Block`s of
+built from `jaxdp.core.nn` layers (`Linear`, `LayerNorm`, `Gate`, GPT-2 `Block`s of
 the reduced width), so `per_example_grads` gives exact factored per-example
-gradients with no vmap; the backbone must be frozen (`jaxdp.finetune.prepare(model,
+gradients with no vmap; the backbone must be frozen (`jaxdp.finetune.methods.prepare(model,
 "side")` does that), so it costs no per-example work either.
 """
 
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdp import nn
+from jaxdp.core import nn
 from jaxdp.models.gpt2 import GPT2, Block
 
 

@@ -4,7 +4,7 @@ Pre-RMSNorm blocks, rotary position embeddings (RoPE, rotate-half layout as
 the Hugging Face checkpoints, with Llama 3.1 frequency scaling), SwiGLU MLP,
 grouped-query attention through `jaxdp.models.attention` (cuDNN's fused
 attention on GPU, XLA on CPU; `LlamaConfig.attention`), no biases.
-The output head is a separate `jaxdp.nn.Linear` (untied) unless
+The output head is a separate `jaxdp.core.nn.Linear` (untied) unless
 `tie_embeddings=True` (Llama 3.2 1B / 3B tie it), in which case the token
 embedding's `attend` is the head. Every parameter has a per-example gradient
 rule, so `jaxdp.per_example_grads` needs no fallback.
@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdp import nn
+from jaxdp.core import nn
+from jaxdp.core import sequence_shards as context
 from jaxdp.models import attention
 from jaxdp.models.remat import remat_block, remat_policy
-from jaxdp.models import sequence_shards as context
 
 PRESETS = {
     # name: (n_layer, n_head, n_kv_head, d_model, d_ff, tie_embeddings, rope_scaling)
@@ -221,6 +221,6 @@ class Llama(nnx.Module):
         return logits_BTV.astype(jnp.promote_types(logits_BTV.dtype, jnp.float32))
 
     def frozen_head(self) -> Callable[[jax.Array], jax.Array] | None:
-        """`head` when its weights are frozen (fine-tuning), else None (`jaxdp.losses.token_nll`)."""
+        """`head` when its weights are frozen (fine-tuning), else None (`jaxdp.core.losses.token_nll`)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head  # maybe LoRA'd or adapted: any Param
         return None if jax.tree.leaves(nnx.state(head, nnx.Param)) else self.head

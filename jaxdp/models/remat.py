@@ -11,7 +11,7 @@ accepted as "full" / "none"):
 
 All three are exact under `jaxdp.per_example_grads`: the tape's records and
 output gradients come out of the ordinary backward pass, so a recomputed
-block recomputes them (see `jaxdp._tape`).
+block recomputes them (see `jaxdp.core._tape`).
 """
 
 from __future__ import annotations

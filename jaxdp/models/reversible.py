@@ -28,7 +28,7 @@ that recomputation: the custom_vjp takes every layer's tape slots as
 explicit inputs, and its backward runs F_n and G_n under a sub-tape of the
 same mode holding those slots, so their cotangents -- each tap's output
 gradient and recorded input ("record"), or its per-example norms ("norms",
-`jaxdp.two_pass`) -- come out of the inverted backward exactly as out of an
+`jaxdp.clipping.two_pass`) -- come out of the inverted backward exactly as out of an
 ordinary one. The discovery pass runs the layers plainly.
 
 What the gradients are exact to is the inversion itself. In floating point
@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdp import _tape, nn
+from jaxdp.core import _tape, nn
 from jaxdp.models.gpt2 import GPT2
 
 BACKWARDS = ("reversible", "stored")
@@ -109,7 +109,7 @@ def _slots_of(tape, module) -> dict:
 class ReversibleGPT2(nnx.Module):
     """`ReversibleGPT2(backbone, alpha=0.1, beta=0.1, bottleneck=64, rngs=...)(tokens_BT) -> logits_BTV`.
 
-    `backbone`: a GPT2 (LoRA already added where wanted: `jaxdp.finetune.prepare(model, "reversible")`).
+    `backbone`: a GPT2 (LoRA already added where wanted: `jaxdp.finetune.methods.prepare(model, "reversible")`).
     `backward`: "reversible" (recompute by inversion) or "stored" (ordinary autodiff of the same
     forward: the ground truth the tests compare with; activation memory grows with depth).
     """

@@ -12,14 +12,10 @@ does (bench_kernels times it as the baseline). On a CPU backend the kernels run 
   chacha_words.block_words   ChaCha20 keystream for secure noise, rounds in registers (chacha_words.py)
 """
 
-from jaxdp.pallas.clipped_sum import linear_clipped_sum
-from jaxdp.pallas.clipped_sum import linear_clipped_sum_reference
-from jaxdp.pallas.ghost_norms import linear_ghost_sq_norms
-from jaxdp.pallas.ghost_norms import linear_ghost_sq_norms_reference
-from jaxdp.pallas.linear_norms import linear_sq_norms
-from jaxdp.pallas.linear_norms import linear_sq_norms_reference
-from jaxdp.pallas.single_pass import linear_fused_clipped_sum
-from jaxdp.pallas.single_pass import linear_fused_clipped_sum_reference
+from jaxdp.pallas.clipped_sum import linear_clipped_sum, linear_clipped_sum_reference
+from jaxdp.pallas.ghost_norms import linear_ghost_sq_norms, linear_ghost_sq_norms_reference
+from jaxdp.pallas.linear_norms import linear_sq_norms, linear_sq_norms_reference
+from jaxdp.pallas.single_pass import linear_fused_clipped_sum, linear_fused_clipped_sum_reference
 
 __all__ = [
     "linear_clipped_sum",

@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxdp import _tape
+from jaxdp.core import _tape
 
 MIN_BLOCK = 16  # tl.dot's smallest tile edge
 

@@ -1,12 +1,12 @@
-"""ChaCha20 keystream words in one Triton kernel; `keystream_words` picks it on a GPU and `jaxdp.chacha`'s
+"""ChaCha20 keystream words in one Triton kernel; `keystream_words` picks it on a GPU and `jaxdp.noise.chacha`'s
 jnp path (the reference) elsewhere.
 
-XLA compiles the 20 unrolled rounds of `jaxdp.chacha` (about 1,600 integer operations per block)
+XLA compiles the 20 unrolled rounds of `jaxdp.noise.chacha` (about 1,600 integer operations per block)
 into one huge elementwise fusion, which XLA:GPU splits into large fusions that move far more
 bytes than the words and are slow to compile. Here each program runs the rounds in a loop over
 `BLOCK` counters held in registers and writes the 16 words of its blocks once (64 bytes per
-block, the compulsory traffic): the rounds are the same code (`jaxdp.chacha._double_round`), the
-reference is `jaxdp.chacha`'s jnp path, and the tests compare the two in the Pallas interpreter.
+block, the compulsory traffic): the rounds are the same code (`jaxdp.noise.chacha._double_round`), the
+reference is `jaxdp.noise.chacha`'s jnp path, and the tests compare the two in the Pallas interpreter.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxdp import chacha
+from jaxdp.noise import chacha
 from jaxdp.pallas import _common
 
 BLOCK = 1024  # counters per program
@@ -35,7 +35,7 @@ def _kernel(start_ref, *out_refs):
 
 def block_words(start_16: jax.Array, num_blocks: int, *, interpret: bool | None = None) -> list[jax.Array]:
     """16 arrays (num_blocks,) uint32: word w of blocks 0 .. num_blocks - 1 from the initial state `start_16`
-    (constants, key, block counter 0, nonce: `jaxdp.chacha.initial_state`). Sixteen outputs, not one
+    (constants, key, block counter 0, nonce: `jaxdp.noise.chacha.initial_state`). Sixteen outputs, not one
     (16, N) array: XLA fuses a consumer's slice of an output into the consumer, not a slice of a row."""
     word = _common.out_struct((num_blocks,), jnp.uint32, start_16)
     return pl.pallas_call(  # the last program's blocks past num_blocks are not stored (Pallas masks them)
@@ -51,9 +51,9 @@ def block_words(start_16: jax.Array, num_blocks: int, *, interpret: bool | None 
 
 
 def keystream_words(key, nonce, num_blocks: int, *, implementation: str | None = None) -> list[jax.Array]:
-    """`jaxdp.chacha.block_words(key, nonce, num_blocks)` for one (key, nonce): 16 arrays (num_blocks,) uint32.
+    """`jaxdp.noise.chacha.block_words(key, nonce, num_blocks)` for one (key, nonce): 16 arrays (num_blocks,) uint32.
 
-    implementation: "pallas" (the Triton kernel, `block_words`), "xla" (`jaxdp.chacha`'s jnp rounds), or
+    implementation: "pallas" (the Triton kernel, `block_words`), "xla" (`jaxdp.noise.chacha`'s jnp rounds), or
     None: "pallas" where Pallas compiles (a GPU), "xla" where it would only interpret. Both give the same
     words (tests/test_chacha.py)."""
     if implementation is None:

@@ -11,7 +11,7 @@ per row, and a per-example gradient whose tokens cancel (x_2 = x_1,
 g_2 = -g_1 + small) would then contribute more than its clipped norm
 (`tests/test_norm_rounding.py` builds such examples).
 Examples whose scale is exactly 0 contribute exact zeros even when x or g
-holds inf / NaN there (the non-finite-example rule of `jaxdp.clipping`).
+holds inf / NaN there (the non-finite-example rule of `jaxdp.clipping.rules`).
 
 Cost: FLOPs 2 B T P D + B P D (the scaling), the non-DP weight gradient.
 HBM bytes: x read nD times, g read nP times (as any tiled GEMM), out P D 4.

@@ -36,7 +36,7 @@ The two-pass alternative (`linear_sq_norms` then `linear_clipped_sum`)
 costs 4 B T P D FLOPs and no scratch. The single pass saves 2 B T P D FLOPs
 (time 2 B T P D / R at matmul rate R) and moves 2 B P D s more bytes (time
 2 B P D s / W at bandwidth W): it wins when T > s R / W, with R and W the
-device's row of `jaxdp.device_rates` (a prediction; the crossing for an H100
+device's row of `jaxdp.clipping.device_rates` (a prediction; the crossing for an H100
 is in WORKSPACE.md). `scratch_dtype=jnp.bfloat16` halves s and so the
 crossing, but rounds G_b before scaling.
 """

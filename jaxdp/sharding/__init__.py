@@ -1,10 +1,11 @@
-"""Data and sequence parallel DP on jax.sharding meshes: DP-ZeRO stages 0-3, context parallelism, and the
-collective bytes of the compiled step (`collectives`), the longest context that fits (`longest_context`), and
-SPMD over several processes (`processes`: placing, fetching and agreeing on host values).
+"""Data and sequence parallel DP on jax.sharding meshes: DP-ZeRO stages 0-3, context parallelism, the
+longest context that fits (`longest_context`), and SPMD over several processes (`processes`: placing,
+fetching and agreeing on host values). The compiled step's collectives are read by
+`jaxdp.analysis.collectives`.
 
-Names load on first use (PEP 562). `context`, the sequence-shard helpers, now lives in
-`jaxdp.models.sequence_shards` (the models use it and import nothing of the mesh); the old name is kept
-for one release.
+Names load on first use (PEP 562). `context` (the sequence-shard helpers, now
+`jaxdp.core.sequence_shards`: the models use them and import nothing of the mesh) and `collectives` (now
+`jaxdp.analysis.collectives`) keep their old names for one release.
 """
 
 from jaxdp._lazy import lazy_names
@@ -16,7 +17,6 @@ _PUBLIC = {
     "SEQ": "jaxdp.sharding.mesh",
     "ShardedDPState": "jaxdp.sharding.dp_step",
     "ShardedDPStep": "jaxdp.sharding.dp_step",
-    "collectives": None,
     "context_parallel": None,
     "longest_context": None,
     "make_mesh": "jaxdp.sharding.mesh",
@@ -26,6 +26,7 @@ _PUBLIC = {
 }
 
 
-__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, {"context": "jaxdp.models.sequence_shards"})
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, {"collectives": "jaxdp.analysis.collectives",
+                                                         "context": "jaxdp.core.sequence_shards"})
 
-__all__ = sorted([*_PUBLIC, "context"])  # context: moved, kept one release
+__all__ = sorted([*_PUBLIC, "collectives", "context"])  # moved, kept one release

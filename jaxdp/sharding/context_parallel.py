@@ -10,7 +10,7 @@ per-example gradient `G_b^s = x_{b,s}^T g_{b,s}`; the true one is
   its partial `G_b^s` for a chunk of examples, `psum_scatter`s it over `seq`
   (each shard then owns 1/S of the exact `G_b`), squares its slice, and the
   (B,) partial squared norms are `psum`-ed, together with the (B,) partial
-  magnitudes sum_t |x_t| |g_t| of `jaxdp.norms.rounding_bound`. No device holds a full per-example
+  magnitudes sum_t |x_t| |g_t| of `jaxdp.clipping.norms.rounding_bound`. No device holds a full per-example
   gradient; the traffic is B * params / S per device per layer, independent
   of T. (The ghost alternative needs the cross-shard T x T Gram matrices:
   an all-gather of x and g, T-proportional, and S-fold redundant FLOPs.)
@@ -36,9 +36,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxdp import norm_costs
-from jaxdp import norms as norms_lib
-from jaxdp.terms import EmbedTerm, FactoredGrad
+from jaxdp.clipping import norm_costs
+from jaxdp.clipping import norms as norms_lib
+from jaxdp.core.terms import EmbedTerm, FactoredGrad
 
 
 def _gathered_lookup(term: EmbedTerm, axis: str) -> EmbedTerm:
@@ -72,7 +72,7 @@ def _partial_sq_norms(terms, axis: str, chunk_size: int) -> jax.Array:
 def squared_norms(grad: FactoredGrad, axis: str, strategy: str = "auto", *,
                   chunk_size: int = norm_costs.DEFAULT_CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
     """Exact per-example squared norms (B,) of a gradient whose terms are sequence-shard partials,
-    and their rounding bound (B,) (`jaxdp.norms.rounding_bound` of the whole sequence)."""
+    and their rounding bound (B,) (`jaxdp.clipping.norms.rounding_bound` of the whole sequence)."""
     partials = [t for t in grad.terms if not isinstance(t, EmbedTerm)]
     lookups = [_gathered_lookup(t, axis) for t in grad.terms if isinstance(t, EmbedTerm)]
     kw = dict(chunk_size=chunk_size)

@@ -9,7 +9,7 @@ One jitted step over a (data, seq) mesh:
 2. The clipped sums are summed over the mesh: `psum` (ZeRO 0/1), or a
    `psum_scatter` over `data` along each tensor's ZeRO dimension (ZeRO 2/3),
    after a `psum` over `seq`.
-3. The privatizer (`jaxdp.privatizer.GaussianPrivatizer`, the one `jaxdp.fused_clip`
+3. The privatizer (`jaxdp.noise.privatizer.GaussianPrivatizer`, the one `jaxdp.fused_clip`
    releases through): its state's keys split outside the shard_map (`begin_step`), the
    noise added and the sums divided by the expected batch size inside (`privatize`): a
    replicated gradient gets the SAME noise as on one device; a reduce-scattered one draws
@@ -29,7 +29,7 @@ parameters, so no cotangent comes back implicitly psum-ed over the mesh (the
 pitfall: an extra psum would multiply it by the axis size); every collective here is explicit.
 
 `method="two_pass"` forms the clipped sums of step 1 with
-`jaxdp.two_pass.two_pass_clipped_sums` instead of book-keeping: norms inside
+`jaxdp.clipping.two_pass.two_pass_clipped_sums` instead of book-keeping: norms inside
 each layer's backward (under context parallelism the per-example
 reduce-scatter and norm psum run there, next to the layer's own backward),
 then an ordinary backward of the clip-weighted loss. No layer's activations
@@ -44,7 +44,7 @@ gradients, no norms, no clipping) with respect to the parameters marked
 varying over the mesh (so autodiff inserts no implicit psum), and step 3
 draws no noise; the mesh, the shardings, the ZeRO gathers and the
 reductions of step 2 are the same code. The collectives of the two programs
-therefore differ only by what DP itself adds (`jaxdp.sharding.collectives`
+therefore differ only by what DP itself adds (`jaxdp.analysis.collectives`
 measures it).
 """
 
@@ -62,16 +62,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdp import clipping as clipping_lib
-from jaxdp import noise as noise_lib
-from jaxdp import seeds
-from jaxdp import norm_costs
-from jaxdp import norms as norms_lib
-from jaxdp.aggregation import check_positive, clipped_aggregate
-from jaxdp.per_example import per_example_grads
-from jaxdp.privatizer import GaussianPrivatizer
+from jaxdp.clipping import norm_costs
+from jaxdp.clipping import norms as norms_lib
+from jaxdp.clipping import rules as clipping_lib
+from jaxdp.clipping.aggregation import check_positive, clipped_aggregate
+from jaxdp.clipping.two_pass import two_pass_clipped_sums, weighted_loss_grad
+from jaxdp.core.per_example import per_example_grads
+from jaxdp.noise import draws as noise_lib
+from jaxdp.noise import seeds
+from jaxdp.noise.privatizer import GaussianPrivatizer
 from jaxdp.sharding import context_parallel
-from jaxdp.two_pass import two_pass_clipped_sums, weighted_loss_grad
 from jaxdp.sharding.mesh import DATA, SEQ, param_dims, spec_for
 from jaxdp.sharding.processes import agree, put
 
@@ -136,7 +136,7 @@ def _check_takes_seq_axis(loss_fn: Callable) -> None:
         inspect.signature(loss_fn).bind(None, None, seq_axis=None)
     except TypeError:
         raise ValueError("on a mesh with seq > 1 (context parallelism) loss_fn must accept a `seq_axis` keyword "
-                         "and pass it to the model's call, as jaxdp.losses.cp_lm_losses does; got "
+                         "and pass it to the model's call, as jaxdp.core.losses.cp_lm_losses does; got "
                          f"{getattr(loss_fn, '__name__', loss_fn)!r}") from None
     except ValueError:  # no signature to inspect (a builtin): let the call decide
         pass
@@ -156,14 +156,14 @@ class ShardedDPStep:
     options are then ignored. It is not differentially private.
 
     `key`: the noise PRNG key of `init`'s state; None (the default): each `init` draws a fresh
-    one from the operating system's entropy (`jaxdp.noise.secret_key`). `secure_noise`: as
+    one from the operating system's entropy (`jaxdp.noise.draws.secret_key`). `secure_noise`: as
     `jaxdp.fused_clip`'s (4 draws per noise value, the noisy sum snapped to a grid).
 
     `loss_fn(model, batch) -> losses (B,)`. On a mesh with seq > 1 (context
     parallelism) the step calls `loss_fn(model, batch, seq_axis=SEQ)` on each
     device's slice of the tokens: the loss passes `seq_axis` to the model's
     call and returns this shard's share of each example's loss
-    (`jaxdp.losses.cp_lm_losses` does both).
+    (`jaxdp.core.losses.cp_lm_losses` does both).
 
     `init(model)` fixes the layout (`self.layout`: which dimension of each
     parameter ZeRO shards, and the shardings of the state); a step built for
@@ -201,10 +201,10 @@ class ShardedDPStep:
         check_mesh_strategy(strategy)
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
         self.zero_stage, self.private, self.method = zero_stage, private, method
-        self.allow_low_precision = allow_low_precision  # two_pass below float32: measurements only (jaxdp.two_pass)
+        self.allow_low_precision = allow_low_precision  # two_pass below float32: measurements only (jaxdp.clipping.two_pass)
         self.pinned_key = noise_lib.check_key(key, "ShardedDPStep")
         secure_noise = noise_lib.check_secure(secure_noise, "ShardedDPStep")
-        self.privatizer = (GaussianPrivatizer.for_clip(l2_norm_clip, noise_multiplier, expected_batch_size,
+        self.privatizer = (GaussianPrivatizer(clipping_lib.noise_std(l2_norm_clip, noise_multiplier), expected_batch_size,
                                                        secure=secure_noise)
                            if private else GaussianPrivatizer(0.0, expected_batch_size, secure_noise))
         self.clip_kwargs = dict(clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,

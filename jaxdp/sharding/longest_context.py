@@ -28,8 +28,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxdp.hlo_cost import target_devices
-from jaxdp.models import sequence_shards as context
+from jaxdp.analysis.hlo_cost import target_devices
+from jaxdp.core import sequence_shards as context
 from jaxdp.sharding.dp_step import ShardedDPStep
 from jaxdp.sharding.mesh import make_mesh
 

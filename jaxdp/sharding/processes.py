@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdp.seeds import several_processes
+from jaxdp.noise.seeds import several_processes
 
 AGREE_TIMEOUT_S = 1800  # how long a process waits for the others at `agree` (another host may still compile)
 _calls: collections.Counter = collections.Counter()  # per `what`: the same count on every process (SPMD)

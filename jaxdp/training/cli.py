@@ -12,9 +12,7 @@ import sys
 import warnings
 from typing import Callable
 
-from absl import app
-from absl import flags
-from absl import logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 

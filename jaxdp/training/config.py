@@ -18,14 +18,14 @@ from collections.abc import Mapping
 import jax
 from flax import nnx
 
-from jaxdp import accounting
-from jaxdp import noise as noise_lib
-from jaxdp import seeds
-from jaxdp import norms as norms_lib
+from jaxdp.accounting import accountant as accounting
+from jaxdp.clipping import norms as norms_lib
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.models.remat import REMAT_POLICIES
-from jaxdp.sampling import OVERFLOW_MODES
+from jaxdp.noise import draws as noise_lib
+from jaxdp.noise import seeds
+from jaxdp.sampling.poisson import OVERFLOW_MODES
 from jaxdp.sharding.dp_step import METHODS, check_mesh_strategy
 
 
@@ -58,7 +58,7 @@ def model_config(model: Mapping, vocab_size: int, *, dtype: str,
 
 
 def build_model(config: GPT2Config | LlamaConfig, seed: int) -> nnx.Module:
-    """A freshly initialised `GPT2` or `Llama`; `seed`: any int >= 0 (`jaxdp.noise.key_from_seed`)."""
+    """A freshly initialised `GPT2` or `Llama`; `seed`: any int >= 0 (`jaxdp.noise.draws.key_from_seed`)."""
     cls = GPT2 if isinstance(config, GPT2Config) else Llama
     return cls(config, rngs=nnx.Rngs(noise_lib.key_from_seed(seed)))
 
@@ -228,7 +228,7 @@ def validate_config(config) -> None:
         _require(config.dtype == "float32",
                  f"config.dp.method='two_pass' needs config.dtype='float32', got {config.dtype!r}: below float32 "
                  "its second pass rounds differently from the norms and the clip no longer bounds one unit's "
-                 "contribution (jaxdp.two_pass); use config.dp.method='bookkeeping' for bfloat16")
+                 "contribution (jaxdp.clipping.two_pass); use config.dp.method='bookkeeping' for bfloat16")
     _require(isinstance(dp.secure_noise, bool),
              f"config.dp.secure_noise must be True or False, got {dp.secure_noise!r}")
     _require(dp.overflow in OVERFLOW_MODES,

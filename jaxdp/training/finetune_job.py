@@ -8,7 +8,7 @@ weights were trained with: the init run's `tokenizer/`, "gpt2" for HF GPT-2
 weights, the checkpoint directory's `tokenizer.json` for Llama), checks the
 method and its arguments on an abstract model, then calls
 `jaxdp.training.prepare` and sets `Prepared.build_model`: the pretrained model
-with `jaxdp.finetune.prepare(model, method, ...)` applied. `jaxdp.training.train`
+with `jaxdp.finetune.methods.prepare(model, method, ...)` applied. `jaxdp.training.train`
 then runs it like any job: Poisson sampling, DP step on the trainable
 `nnx.Param`s only (frozen parameters get no gradient, no optimizer state, no
 update), accounting, budget stop, checkpoints, resume, metrics, plots,
@@ -18,7 +18,7 @@ one line).
 `config.json` of the run records the resolved `model` and `data.tokenizer`;
 `model/params.npz` holds the trained parameters only (`load_finetuned` puts
 them on the init weights). `add_accuracy` scores held-out snippets of a
-sentiment jsonl (`jaxdp.tasks`) after training: the validation split of the
+sentiment jsonl (`jaxdp.data.tasks`) after training: the validation split of the
 run (by the same hash of each unit id), never seen by training.
 """
 
@@ -34,15 +34,16 @@ import numpy as np
 from flax import nnx
 from ml_collections import config_dict
 
-from jaxdp import data as data_lib
-from jaxdp import finetune, losses, tasks
-from jaxdp import noise as noise_lib
-from jaxdp import seeds
+from jaxdp.core import losses
+from jaxdp.data import tasks
+from jaxdp.data import windows as data_lib
+from jaxdp.finetune import methods as finetune
 from jaxdp.models import hf_checkpoint, hf_gpt2, hf_llama
 from jaxdp.models.llama import LlamaConfig
+from jaxdp.noise import draws as noise_lib
+from jaxdp.noise import seeds
 from jaxdp.training import config as config_lib
-from jaxdp.training import hosts
-from jaxdp.training import preparation
+from jaxdp.training import hosts, preparation
 from jaxdp.training.config import ConfigError
 from jaxdp.training.preparation import Prepared
 from jaxdp.training.run_dir import (
@@ -60,7 +61,7 @@ from jaxdp.training.run_dir import (
 
 FROM_INIT = "init"  # config.model.family / config.data.tokenizer of the finetune config: taken from init
 HF_FAMILIES = ("gpt2", "llama")  # the model_type values of an HF checkpoint the job loads
-# config.finetune fields passed to `jaxdp.finetune.prepare` (the others: init, method, loss_after,
+# config.finetune fields passed to `jaxdp.finetune.methods.prepare` (the others: init, method, loss_after,
 # accuracy_examples).
 METHOD_ARGS = ("rank", "alpha", "lora_targets", "bottleneck", "adapter_targets", "train_layer_norms",
                "prompt_length", "side_reduction", "rev_alpha", "rev_beta", "rev_keep_streams_every")
@@ -126,7 +127,7 @@ def _init_model_and_tokenizer(init: str, kind: str) -> tuple[dict, str]:
 
 
 def method_kwargs(config) -> dict:
-    """`jaxdp.finetune.prepare`'s keyword arguments from config.finetune."""
+    """`jaxdp.finetune.methods.prepare`'s keyword arguments from config.finetune."""
     kw = {name: config.finetune[name] for name in METHOD_ARGS}
     for name in ("lora_targets", "adapter_targets"):  # None: the model family's default
         kw[name] = None if kw[name] is None else tuple(kw[name])
@@ -165,7 +166,7 @@ def _pretrained(init: str, kind: str, model_config) -> nnx.Module:
 
 def prepare(config, *, progress=None, notice=None) -> Prepared:
     """`jaxdp.training.prepare` of the resolved config, with `build_model` the pretrained model after
-    `jaxdp.finetune.prepare`; writes nothing. Train with `jaxdp.training.train(p.config, prepared=p)`.
+    `jaxdp.finetune.methods.prepare`; writes nothing. Train with `jaxdp.training.train(p.config, prepared=p)`.
 
     `method="prompt"` whose soft prompt and `config.seq_len` tokens overflow the model's positions runs
     with `config.seq_len` shortened to fit (`fit_prompt`): `p.config.seq_len`, which config.json records;
@@ -231,7 +232,7 @@ def fit_prompt(config):
     prompt_length`, a one-line message saying so). A prompt of `max_seq_len` or more: ConfigError."""
     seq_len, length, positions = config.seq_len, config.finetune.prompt_length, config.model.max_seq_len
     if not isinstance(length, int) or seq_len + length <= positions:
-        return config, None  # a bad prompt_length is named by jaxdp.finetune's own check
+        return config, None  # a bad prompt_length is named by jaxdp.finetune.methods's own check
     if length >= positions:
         raise ConfigError(f"config.finetune.prompt_length ({length}) leaves no position for a token: the model has "
                           f"{positions} positions, set prompt_length < {positions}")
@@ -245,7 +246,7 @@ def fit_prompt(config):
 
 
 def _completion_loss(p: Prepared, loss_after: str):
-    """`jaxdp.losses.completion_losses` of the tokens of `loss_after`; ConfigError when no training window
+    """`jaxdp.core.losses.completion_losses` of the tokens of `loss_after`; ConfigError when no training window
     has a target it counts (the job would train on nothing)."""
     marker = tuple(p.tokenizer.encode(loss_after))
     windows = p.train.get(np.arange(min(len(p.train), 4096)))
@@ -292,14 +293,14 @@ def untrained_model(run_config: dict, model_config, workdir) -> nnx.Module:
 
 
 def heldout_documents(config) -> list[str]:
-    """The documents of the run's validation split (`jaxdp.data.split_documents`, as the job splits)."""
+    """The documents of the run's validation split (`jaxdp.data.windows.split_documents`, as the job splits)."""
     docs, ids = data_lib.load_corpus(config.data.path, id_field=config.data.id_field)
     _, valid = data_lib.split_documents(docs if ids is None else ids, config.data.validation_fraction)
     return [docs[i] for i in valid]
 
 
 def add_accuracy(p: Prepared, model: nnx.Module | None = None) -> dict | None:
-    """Scores `config.finetune.accuracy_examples` held-out sentiment documents (`jaxdp.tasks`; evenly spaced
+    """Scores `config.finetune.accuracy_examples` held-out sentiment documents (`jaxdp.data.tasks`; evenly spaced
     over the validation split) with the trained model and adds the result (`tasks.sentiment_accuracy`'s
     accuracy, examples, label and predicted positive fractions, majority-class accuracy) to summary.json as
     `heldout_accuracy`; returns it (None when accuracy_examples is 0 or the corpus has no such documents).

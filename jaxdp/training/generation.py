@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxdp import data as data_lib
-from jaxdp import noise as noise_lib
-from jaxdp import seeds
+from jaxdp.data import windows as data_lib
+from jaxdp.noise import draws as noise_lib
+from jaxdp.noise import seeds
 from jaxdp.training.config import ConfigError, build_model, model_config
 from jaxdp.training.preparation import Prepared
 from jaxdp.training.run_dir import (

@@ -1,7 +1,7 @@
 """One job on several JAX processes (hosts): every process runs the same loop, process 0 writes the run.
 
 Every process prepares the same data, samples the same batches (the root seed is
-process 0's, broadcast: `jaxdp.seeds.secret_seed`) and calls the same sharded step,
+process 0's, broadcast: `jaxdp.noise.seeds.secret_seed`) and calls the same sharded step,
 whose mesh spans every process's devices. The run directory lives on a filesystem
 all hosts share (orbax needs one for the checkpoints, which every process saves
 together): process 0 alone writes its files, and the others wait at a barrier
@@ -15,7 +15,7 @@ import os
 
 import jax
 
-from jaxdp.seeds import several_processes
+from jaxdp.noise.seeds import several_processes
 from jaxdp.sharding import processes
 
 

@@ -1,8 +1,8 @@
 """The training loop: `train(config)` runs (or resumes) one pretraining job and returns its summary.
 
-Poisson sampling on the host (`jaxdp.sampling`; the draw of step s depends
+Poisson sampling on the host (`jaxdp.sampling.poisson`; the draw of step s depends
 only on (the sampler's seed, s)), one jitted step per micro-batch (`jaxdp.training.steps`),
-the privacy accountant (`jaxdp.privacy_budget.BudgetTracker`), which stops
+the privacy accountant (`jaxdp.accounting.budget.BudgetTracker`), which stops
 training BEFORE the step that would exceed `dp.target_epsilon`, metrics,
 evaluation and checkpoints in the run directory (`jaxdp.training.run_dir`).
 With `mesh.data * mesh.seq > 1` the DP step runs on a (data, seq) mesh
@@ -29,14 +29,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxdp import data as data_lib
-from jaxdp import noise as noise_lib
-from jaxdp import seeds
-from jaxdp import sampling
-from jaxdp.privacy_budget import BudgetTracker
-from jaxdp.training.config import build_model, runs_sharded_step
+from jaxdp.accounting.budget import BudgetTracker
+from jaxdp.data import windows as data_lib
+from jaxdp.noise import draws as noise_lib
+from jaxdp.noise import seeds
+from jaxdp.sampling import poisson as sampling
 from jaxdp.sharding import processes
 from jaxdp.training import hosts
+from jaxdp.training.config import build_model, runs_sharded_step
 from jaxdp.training.generation import write_samples
 from jaxdp.training.preparation import Prepared, mechanism, prepare
 from jaxdp.training.receipt import privacy_receipt, write_privacy_receipt
@@ -52,9 +52,9 @@ from jaxdp.training.run_dir import (
     Progress,
     Ticker,
     log,
-    record_token_cache,
     read_json,
     read_metrics,
+    record_token_cache,
     write_metrics,
     write_model,
     write_plots,

@@ -7,7 +7,7 @@ one-line message and leaves the workdir as it was. It also sizes the Poisson
 sampler's padded batch, calibrates sigma and, with `config.memory_budget_gb`,
 plans the micro-batches (`plan_accumulation`).
 
-Secret randomness (`jaxdp.noise`). Every random choice of a run derives from
+Secret randomness (`jaxdp.noise.draws`). Every random choice of a run derives from
 one root seed through its own domain: the sampler's seed is
 `derive_seed(root, SAMPLER)`, the noise key `key_from_seed(derive_seed(root,
 NOISE))`, the model's initialisation `derive_seed(root, INIT)`, sample i of
@@ -44,13 +44,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxdp import accounting, calibration
-from jaxdp import data as data_lib
-from jaxdp import seeds
-from jaxdp.losses import lm_losses
+from jaxdp.accounting import accountant as accounting
+from jaxdp.accounting import calibration
+from jaxdp.core.losses import lm_losses
+from jaxdp.data import windows as data_lib
 from jaxdp.models.gpt2 import GPT2Config
 from jaxdp.models.llama import LlamaConfig
-from jaxdp.sampling import (
+from jaxdp.noise import seeds
+from jaxdp.sampling.poisson import (
     DEFAULT_MAX_OVERFLOW_PROBABILITY,
     DEFAULT_SLACK_FRACTION,
     PoissonSampler,
@@ -80,7 +81,6 @@ from jaxdp.training.run_dir import (
     tree_sha256,
 )
 
-
 # ------------------------------------------------------------------ preparation (no writes)
 
 
@@ -107,9 +107,9 @@ class Prepared:
     delta_from: str | None             # how delta was chosen
     max_batch_size_from: str           # how sampler.max_batch_size was chosen
     # The model the loop trains, `build_model(seed)`; None: `build_model(model_config, seed)`, a fresh
-    # one. Fine-tuning (`jaxdp.training.finetune_job`) sets it: pretrained weights, then `jaxdp.finetune.prepare`.
+    # one. Fine-tuning (`jaxdp.training.finetune_job`) sets it: pretrained weights, then `jaxdp.finetune.methods.prepare`.
     build_model: Callable[[int], nnx.Module] | None = dataclasses.field(default=None, repr=False)
-    # The per-window loss the step and the validation loss use (`jaxdp.losses`); fine-tuning may count the
+    # The per-window loss the step and the validation loss use (`jaxdp.core.losses`); fine-tuning may count the
     # label only (`completion_losses`). Single-device step only: the sharded step uses `cp_lm_losses`.
     loss_fn: Callable = dataclasses.field(default=lm_losses, repr=False)
     # Fine-tuning: SHA-256 of the files of config.finetune.init (`tree_sha256`), so that a resume on other
@@ -129,11 +129,11 @@ class Prepared:
 
     @property
     def seed_guessable(self) -> bool:
-        """A pinned root seed below 2^64 (`jaxdp.seeds.guessable_seed`): searchable, so a DP run has no guarantee."""
+        """A pinned root seed below 2^64 (`jaxdp.noise.seeds.guessable_seed`): searchable, so a DP run has no guarantee."""
         return self.seed_pinned and seeds.guessable_seed(self.root_seed)
 
     def derive_seed(self, domain: str, *path: str | int) -> int:
-        """The seed of one use of randomness (`jaxdp.seeds.derive_seed` of the root)."""
+        """The seed of one use of randomness (`jaxdp.noise.seeds.derive_seed` of the root)."""
         return seeds.derive_seed(self.root_seed, domain, *path)
 
 

@@ -20,9 +20,9 @@ import json
 import math
 import pathlib
 
-from jaxdp import noise as noise_lib
-from jaxdp.clipping import SENSITIVITY_FACTOR
-from jaxdp.corpus import TEXT_SECTION_CHARS, is_single_text_file
+from jaxdp.clipping import rules as clipping_lib
+from jaxdp.clipping.rules import SENSITIVITY_FACTOR
+from jaxdp.data.corpus import TEXT_SECTION_CHARS, is_single_text_file
 from jaxdp.training.run_dir import read_json, write_text_atomic
 
 PRIVACY_FILE = "privacy.json"
@@ -45,13 +45,13 @@ def _txt_note(config) -> str:
     if path is None or not is_single_text_file(path):
         return ""
     return (f"; data.path is one .txt file, cut into documents of >= {TEXT_SECTION_CHARS} characters of "
-            "consecutive paragraphs (jaxdp.corpus.split_text_file): removing one paragraph re-cuts every "
+            "consecutive paragraphs (jaxdp.data.corpus.split_text_file): removing one paragraph re-cuts every "
             "section after it and can move other paragraphs between train and validation, so the guarantee "
             "covers the sections of this cut, not paragraphs; for a per-record guarantee give a .jsonl (one "
             "record per line) or a directory of .txt files (one document each)")
 
 
-_OVERFLOW_NOTE = {  # config.dp.overflow: what a draw above max_batch_size does (jaxdp.sampling)
+_OVERFLOW_NOTE = {  # config.dp.overflow: what a draw above max_batch_size does (jaxdp.sampling.poisson)
     "truncate": "a draw above max_batch_size is truncated to a uniformly random max_batch_size of its units",
     "resample": "a draw above max_batch_size is redrawn until it fits (Poisson conditioned on fitting)",
     "error": "a draw above max_batch_size stops the run with an error (a rerun with a new seed is another draw, "
@@ -211,7 +211,7 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
                                 "rounding of the sum over a batch (measured within it up to 4,096 examples "
                                 "per step, up to 1.0006 C at 32,768; README)",
             "noise_multiplier": p.noise_multiplier,
-            "noise_std": noise_lib.noise_std(dp.l2_norm_clip, p.noise_multiplier),
+            "noise_std": clipping_lib.noise_std(dp.l2_norm_clip, p.noise_multiplier),
             "normalisation": "the noisy sum of clipped gradients divided by the expected batch size "
                              f"{config.batch_size}, never by the realised batch size",
             "noise_added": "once per logical batch (accumulation over micro-batches adds none)",
@@ -373,7 +373,7 @@ def audit_on_run_data(workdir, data: str | None, *, seed_pinned: bool) -> bool |
 
 def check_same_mechanism(receipt: dict, mechanism: dict) -> None:
     """Raises ValueError naming what differs when an audit's `mechanism` (clipping, clip_fn, secure_noise,
-    accountant: `jaxdp.audit_runs`) is not the run's `receipt`'s; the CLI checks it before the audit runs."""
+    accountant: `jaxdp.auditing.runs`) is not the run's `receipt`'s; the CLI checks it before the audit runs."""
     run_mech = dict(receipt.get("mechanism") or {})
     # Receipts written before the field name the secure sampler in their text.
     run_mech.setdefault("secure_noise", "sum of 4" in str(run_mech.get("noise_sampler", "")))
@@ -386,7 +386,7 @@ def check_same_mechanism(receipt: dict, mechanism: dict) -> None:
 
 
 def record_audit(workdir, result, kind: str, *, data: str | None = None) -> dict:
-    """Appends a one-run audit (`jaxdp.audit_runs` result of `kind`) to `workdir`'s receipt; returns the receipt.
+    """Appends a one-run audit (`jaxdp.auditing.runs` result of `kind`) to `workdir`'s receipt; returns the receipt.
 
     The audit is its own run of the DP step with canaries (`python -m experiments.audit`): its sigma, q and
     steps are its own, recorded beside the run's. Refused (ValueError): a planted bug; no noise or no finite

@@ -246,7 +246,7 @@ def tree_sha256(directory, exclude=None) -> str:
 
 
 def record_token_cache(workdir: pathlib.Path, windows) -> list[dict]:
-    """Adds the cache files of `windows` (`jaxdp.data.TokenWindows`, one per split) to
+    """Adds the cache files of `windows` (`jaxdp.data.windows.TokenWindows`, one per split) to
     `<workdir>/token_cache.json` and returns its entries: {"path" (absolute), "bytes", "split", "wrote" (this
     run wrote the file, in this process or one it resumed), "exists"}. Entries of earlier processes of the run
     are kept, so the file names every cache file the run has used."""

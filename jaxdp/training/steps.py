@@ -16,13 +16,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxdp import data as data_lib
-from jaxdp import noise as noise_lib
-from jaxdp import reference
-from jaxdp.aggregation import FusedClipState, fused_clip
-from jaxdp.losses import cp_lm_losses, lm_losses
-from jaxdp.per_example import per_example_grads
-from jaxdp.terms import group_examples
+from jaxdp.clipping.aggregation import FusedClipState, fused_clip
+from jaxdp.core import reference
+from jaxdp.core.losses import cp_lm_losses, lm_losses
+from jaxdp.core.per_example import per_example_grads
+from jaxdp.core.terms import group_examples
+from jaxdp.data import windows as data_lib
+from jaxdp.noise import draws as noise_lib
 from jaxdp.sharding import processes
 
 # ------------------------------------------------------------------ losses
@@ -159,7 +159,7 @@ def make_train_step(dp: bool, loss_fn=lm_losses, per_example: str = "jaxdp",
     computes the per-example gradients by `jax.vmap(jax.grad)` instead (the
     explicit baseline; same clipping, noise and optimizer). With
     `windows_per_unit` k > 1 the batch is units of k consecutive windows and
-    fused_clip clips each unit's summed gradient (`jaxdp.terms.group_examples`).
+    fused_clip clips each unit's summed gradient (`jaxdp.core.terms.group_examples`).
     Non-DP: the gradient of `sum(losses) / batch["divisor"]` (the realised size
     of the logical batch, so micro-batch gradients add up to the batch mean).
     """

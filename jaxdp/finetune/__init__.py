@@ -1,0 +1,13 @@
+"""Fine-tuning: trainable subsets and their modules (`methods`: freeze, LoRA, adapters, prompts,
+`prepare`) and the compiled step's memory per method (`memory`). The job is
+`jaxdp.training.finetune_job`.
+
+Submodules and names load on first use (PEP 562). The package's own names are those of
+`jaxdp.finetune.methods` (the module it replaced), so that code written against the old module keeps working.
+"""
+
+from jaxdp._lazy import lazy_names
+
+_SUBMODULES = ('memory', 'methods')
+
+__getattr__, __dir__ = lazy_names(__name__, dict.fromkeys(_SUBMODULES), replaced='jaxdp.finetune.methods')

@@ -1,0 +1,143 @@
+"""Peak training memory of each fine-tuning method, from the compiled step (MemDPT's memory table).
+
+`step_memory(config, method, dp=..., batch_size=..., seq_len=...)` builds the
+method's model from abstract shapes (`nnx.eval_shape`: nothing is allocated,
+so GPT-2 large costs no 3 GB of weights), compiles one training step for the
+given devices and returns XLA's `memory_analysis()`:
+
+  peak = arguments + outputs + temporaries - aliased
+
+The step is what a fine-tuning loop runs. DP, `dp_method="bookkeeping"`:
+per-example gradients (`jaxdp.per_example_grads`: every DP layer's input and
+output gradient kept until all norms are known) -> `jaxdp.fused_clip` (flat
+clipping, Gaussian noise) -> adamw; `dp_method="two_pass"`:
+`jaxdp.two_pass_clipped_sums` (norms inside each layer's backward, then a
+clip-weighted backward: nothing kept per layer) -> Gaussian noise -> adamw.
+Non-DP: the mean-loss gradient -> adamw. The trainable parameters and the optimizer state are donated
+(updated in place, as a loop that donates does); the frozen weights are
+arguments only. Frozen weights are held in the compute dtype when
+`frozen_dtype` is given (a bf16 backbone: nothing reads them in float32),
+trainable parameters and Adam's moments stay float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxdp.clipping.aggregation import fused_clip
+from jaxdp.clipping.two_pass import two_pass_clipped_sums
+from jaxdp.core import losses, nn
+from jaxdp.core.per_example import per_example_grads
+from jaxdp.finetune import methods as finetune
+from jaxdp.models.gpt2 import GPT2, GPT2Config
+from jaxdp.noise.privatizer import GaussianPrivatizer
+
+DP_METHODS = ("bookkeeping", "two_pass")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    arguments: int
+    outputs: int
+    temporaries: int
+    aliased: int
+    trainable_params: int
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.outputs + self.temporaries - self.aliased
+
+
+def lm_losses(model, batch) -> jax.Array:
+    """Per-example mean next-token NLL (B,), zero for masked examples."""
+    nll_BT = losses.token_nll(model, batch["tokens"][:, :-1], batch["tokens"][:, 1:])
+    return jnp.where(batch["mask"], nll_BT.mean(axis=-1), 0.0)
+
+
+def abstract_model(config: GPT2Config, method: str, *, frozen_dtype=None, **method_kwargs) -> nnx.Module:
+    """The method's model (`jaxdp.finetune.methods.prepare`) as shapes only; frozen weights cast to `frozen_dtype`."""
+    model = nnx.eval_shape(lambda: finetune.prepare(GPT2(config, rngs=nnx.Rngs(0)), method,
+                                                    rngs=nnx.Rngs(1), **method_kwargs))
+    if frozen_dtype is not None:
+        graphdef, state = nnx.split(model)
+        state = nnx.from_flat_state([
+            (p, v.replace(jax.ShapeDtypeStruct(v.shape, frozen_dtype)) if isinstance(v, nn.Frozen) else v)
+            for p, v in nnx.to_flat_state(state)])
+        model = nnx.merge(graphdef, state)
+    return model
+
+
+def _num_params(state) -> int:
+    return sum(int(jnp.size(v)) for v in jax.tree.leaves(state))
+
+
+def step_memory(config: GPT2Config, method: str, *, dp: bool, batch_size: int, seq_len: int,
+                dp_method: str = "bookkeeping", frozen_dtype=None, device=None, compiler_options=None,
+                **method_kwargs) -> StepMemory:
+    """Compiles one DP (or non-DP) training step of `method` on `config` and returns its memory analysis.
+
+    `device`: the device to compile for (default: this machine's first); a deviceless
+    GPU target from `jaxdp.analysis.hlo_cost.target_devices` gives XLA:GPU's buffer assignment.
+    """
+    model = abstract_model(config, method, frozen_dtype=frozen_dtype, **method_kwargs)
+    if dp_method not in DP_METHODS:
+        raise ValueError(f"dp_method must be one of {DP_METHODS}, got {dp_method!r}")
+    tx = optax.adamw(1e-3, weight_decay=0.0)
+    bookkeeping = dp and dp_method == "bookkeeping"
+    if bookkeeping:
+        tx = optax.chain(fused_clip(1.0, 1.0, expected_batch_size=float(batch_size), key=jax.random.key(0)), tx)
+    optimizer = nnx.eval_shape(lambda: nnx.Optimizer(model, tx, wrt=nnx.Param))
+    graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
+    opt_graphdef, opt_state = nnx.split(optimizer)
+    grads_fn = per_example_grads(lm_losses, fallback=False)
+    sums_fn = two_pass_clipped_sums(lm_losses, 1.0, fallback=False, allow_low_precision=True)  # memory only
+
+    def step(params, opt_state, frozen, batch):
+        model = nnx.merge(graphdef, params, frozen)
+        optimizer = nnx.merge(opt_graphdef, opt_state)
+        if bookkeeping:
+            losses, grads = grads_fn(model, batch)
+        elif dp:
+            losses, sums, _ = sums_fn(model, batch)
+            grads, _ = GaussianPrivatizer(1.0, batch_size).update(sums, jax.random.key(0))
+        else:
+            losses, grads = nnx.value_and_grad(lambda m: lm_losses(m, batch).sum() / batch_size)(model)
+        optimizer.update(model, grads)
+        return nnx.state(model, nnx.Param), nnx.state(optimizer), losses.sum()
+
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
+    batch = {"tokens": tokens, "mask": jax.ShapeDtypeStruct((batch_size,), jnp.bool_)}
+    shardings = None
+    if device is not None:
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        shardings = jax.tree.map(lambda _: sharding, (params, opt_state, frozen, batch))
+    jitted = jax.jit(step, donate_argnums=(0, 1), in_shardings=shardings, compiler_options=compiler_options)
+    analysis = jitted.lower(params, opt_state, frozen, batch).compile().memory_analysis()
+    return StepMemory(analysis.argument_size_in_bytes, analysis.output_size_in_bytes, analysis.temp_size_in_bytes,
+                      analysis.alias_size_in_bytes, _num_params(params))
+
+
+# MemDPT (arXiv:2406.11087), GPT-2 large on E2E, B = 32, T = 128: training memory in GB (DP at eps 8, non-DP).
+SEED_GB = {"full": (62.23, 20.45), "lora": (21.75, 13.68), "adapter": (23.68, None), "bitfit": (9.59, None),
+           "prompt": (22.12, None), "side": (11.44, 10.17), "reversible": (9.88, 8.39)}
+
+
+def target_checks(rows: dict) -> list[str]:
+    """The memory targets (DP within 5% of non-DP; side-tuning DP <= 0.55 of LoRA DP; reversible DP <= 1.10 of
+    BiTFiT DP) on {method: {"dp": GB, "nondp": GB}}, each as 'name: ratio (target) ok|MISSED'."""
+    out = []
+    for m, r in rows.items():
+        out.append(f"{m} DP / non-DP: {r['dp'] / r['nondp']:.3f} (<= 1.05) "
+                   f"{'ok' if r['dp'] <= 1.05 * r['nondp'] else 'MISSED'}")
+    if "side" in rows and "lora" in rows:
+        ratio = rows["side"]["dp"] / rows["lora"]["dp"]
+        out.append(f"side DP / LoRA DP: {ratio:.3f} (<= 0.55) {'ok' if ratio <= 0.55 else 'MISSED'}")
+    if "reversible" in rows and "bitfit" in rows:
+        ratio = rows["reversible"]["dp"] / rows["bitfit"]["dp"]
+        out.append(f"reversible DP / BiTFiT DP: {ratio:.3f} (<= 1.10) {'ok' if ratio <= 1.10 else 'MISSED'}")
+    return out
