@@ -7,6 +7,6 @@ Submodules and names load on first use (PEP 562). The package's own names are th
 
 from jaxdp._lazy import lazy_names
 
-_SUBMODULES = ('accountant', 'budget', 'calibration')
+_SUBMODULES = ('accountant', 'budget', 'calibration', 'mechanisms')
 
 __getattr__, __dir__ = lazy_names(__name__, dict.fromkeys(_SUBMODULES), replaced='jaxdp.accounting.accountant')
