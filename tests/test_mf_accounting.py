@@ -48,6 +48,9 @@ def test_the_events_are_the_ones_named():
         poisson, 3)
     assert mf.MechanismAccounting("blt", 10, 0.5, 4, 2.0).dp_event(sigma) == dp_accounting.GaussianDpEvent(sigma)
     assert mf.MechanismAccounting("blt", 0, 0.5, 4, 2.0).rounds == 0
+    # BandMF with one band is DP-SGD.
+    assert mf.MechanismAccounting("bandmf", 10, 0.01, 1).dp_event(sigma) == mf.MechanismAccounting(
+        "dpsgd", 10, 0.01).dp_event(sigma)
 
 
 @pytest.mark.parametrize("steps, dpsgd, bandmf4", [(100, 0.9542, 0.7090), (1000, 2.1245, 1.2321)])

@@ -125,6 +125,12 @@ def test_sensitivity_equals_brute_force(mechanism, min_sep, participations):
     assert strategies.sensitivity(mechanism, n, min_sep, participations) == pytest.approx(expected, rel=1e-12)
 
 
+def test_one_participation_is_the_first_columns_norm_for_any_signs():
+    mechanism = BandMF((0.5, -0.6, 0.62))
+    assert strategies.sensitivity(mechanism, 11, 1, 1) == pytest.approx(brute_force_sensitivity(mechanism, 11, 1, 1))
+    assert strategies.sensitivity(mechanism, 11, 1, 1) == pytest.approx(np.linalg.norm(mechanism.coefs))
+
+
 def test_a_sensitivity_off_by_one_participation_is_caught():
     mechanism = BandMF((0.7, 0.5, 0.4, 0.3))
     expected = brute_force_sensitivity(mechanism, 11, 2, 3)

@@ -138,7 +138,6 @@ def best(table: Sequence[PlanRow]) -> PlanRow:
 
 def plan(num_units: int, expected_batch_size: float, steps: int, target_epsilon: float, delta: float,
          candidates: Sequence[Candidate] | None = None, *, trainable_parameters: int | None = None,
-         accountant: str = "pld",
          value_discretization_interval: float = PLAN_VALUE_DISCRETIZATION_INTERVAL) -> tuple[PlanRow, list[PlanRow]]:
     """(the chosen row, the table): every candidate calibrated to (target_epsilon, delta) at the same
     expected batch, and its expected RMS prefix-sum error (module docstring).
@@ -150,8 +149,7 @@ def plan(num_units: int, expected_batch_size: float, steps: int, target_epsilon:
       target_epsilon, delta: the run's budget (delta net of any sampler slack the caller pays).
       candidates: the mechanisms to compare; None: `default_candidates(N, batch, steps)`.
       trainable_parameters: if given, each row's buffer_bytes.
-      accountant, value_discretization_interval: as `jaxdp.accounting.accountant.epsilon`'s (the grid's
-        default here is PLAN_VALUE_DISCRETIZATION_INTERVAL).
+      value_discretization_interval: the PLD grid of the calibrations (PLAN_VALUE_DISCRETIZATION_INTERVAL).
 
     Returns:
       (chosen, table): `best(table)` and the rows in the candidates' order.
@@ -162,7 +160,7 @@ def plan(num_units: int, expected_batch_size: float, steps: int, target_epsilon:
                          f"{num_units!r}, {steps!r}, {expected_batch_size!r}")
     if candidates is None:
         candidates = default_candidates(num_units, expected_batch_size, steps)
-    table, options = [], dict(accountant=accountant, value_discretization_interval=value_discretization_interval)
+    table, options = [], dict(value_discretization_interval=value_discretization_interval)
     for candidate in candidates:
         row = _row(candidate, num_units, expected_batch_size, steps, target_epsilon, delta, options)
         if trainable_parameters is not None and row.num_buffers is not None:
