@@ -48,6 +48,7 @@ from absl import app, flags
 from experiments._results import write_results
 from jaxdp.analysis import held as _held
 from jaxdp.analysis.rows_merged import rows_merged
+from jaxdp.clipping.settings import ClipSpec, NormPlan
 
 METHODS = ("non_dp", "explicit", "two_pass", "ghost", "store", "auto", "per_layer", "pallas_flat",
            "pallas_per_layer")
@@ -109,8 +110,9 @@ def _step_fn(cfg: dict):
         clipping = "per_layer" if method in ("per_layer", "pallas_per_layer") else "flat"
         strategy = {"explicit": "auto", "ghost": "ghost", "store": "store", "auto": "auto", SECURE: "auto",
                     MERGED: "auto", "per_layer": "auto"}.get(method, "pallas")
-        tx = optax.chain(jaxdp.fused_clip(C, sigma, expected_batch_size=expected_B, clipping=clipping,
-                                          strategy=strategy, secure_noise=method == SECURE), optax.adam(1e-4))
+        tx = optax.chain(jaxdp.fused_clip(C, sigma, expected_batch_size=expected_B, secure_noise=method == SECURE,
+                                          clip=ClipSpec(clipping=clipping),
+ norms=NormPlan(strategy=strategy)), optax.adam(1e-4))
 
     def build():
         model = GPT2(config, rngs=nnx.Rngs(0))
@@ -118,7 +120,7 @@ def _step_fn(cfg: dict):
 
     graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
     grads_fn = jaxdp.per_example_grads(losses_fn)
-    two_pass = jaxdp.two_pass_clipped_sums(losses_fn, C, allow_low_precision=True)  # timing only
+    two_pass = jaxdp.two_pass_clipped_sums(losses_fn, C, norms=NormPlan(allow_low_precision=True))  # timing only
 
     def grads_of(model, batch, key):
         if method == "non_dp":

@@ -5,7 +5,7 @@
         python -m experiments.collective_schedule --target=h100 --models=llama-tiny --seq=4 --remat=full
 
 For DP by each method (`ShardedDPStep(method=...)`) and non-DP
-(`private=False`) on a (1, seq) mesh, the step is compiled and its scheduled
+(`NonPrivate`) on a (1, seq) mesh, the step is compiled and its scheduled
 entry computation read: for each collective kind, the asynchronous
 start / done pairs, the most operands one pair carries (the combiner merges
 independent collectives into one), and how many compute instructions

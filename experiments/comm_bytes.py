@@ -5,7 +5,7 @@
 
 Both steps are `jaxdp.sharding.ShardedDPStep` on the same (data, seq) mesh
 with the same ZeRO stage: DP (per-example gradients, clipping, noise) and
-`private=False` (the mean-loss gradient by ordinary autodiff, same layout
+`NonPrivate(B)` in place of the `DPSpec` (the mean-loss gradient by ordinary autodiff, same layout
 and reductions). Each is lowered and compiled (nothing runs); its
 collectives are read from the optimized HLO by
 `jaxdp.analysis.collectives.bytes_by_kind` (ring formulas: see that
@@ -59,14 +59,15 @@ def measure(name: str, mesh_shape: tuple[int, int], zero_stage: int, private: bo
     import optax
     from flax import nnx
 
+    import jaxdp
     from jaxdp import sharding
     from jaxdp.analysis import collectives
     model = _model(name, vocab_size, T)
     tokens = jax.random.randint(jax.random.key(0), (B, T + 1), 0, vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    step = sharding.ShardedDPStep(loss_fn, optax.adam(1e-3), sharding.make_mesh(*mesh_shape), l2_norm_clip=1.0,
-                                  noise_multiplier=1.0, expected_batch_size=float(B), zero_stage=zero_stage,
-                                  private=private)
+    release = jaxdp.DPSpec(1.0, 1.0, float(B)) if private else sharding.NonPrivate(float(B))
+    step = sharding.ShardedDPStep(loss_fn, optax.adam(1e-3), sharding.make_mesh(*mesh_shape), release,
+                                  zero_stage=zero_stage)
     compiled = step.lower(step.init(model), batch).compile()
     psi = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return collectives.bytes_by_kind(compiled), psi

@@ -8,7 +8,7 @@
 
 For every model, remat policy and mesh (`--data` x each of `--seq`), DP
 (`jaxdp.sharding.ShardedDPStep`: per-example gradients, clipping and noise,
-then Adam) and non-DP (`ShardedDPStep(private=False)`: the mean-loss
+then Adam) and non-DP (`ShardedDPStep(..., NonPrivate(B))`: the mean-loss
 gradient, then Adam, on the same mesh with the same shardings and
 reductions), the sequence length is doubled from --min_seq_len x seq (seq
 rounded up to a power of two; halved, not below --min_seq_len, if that does

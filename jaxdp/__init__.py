@@ -17,12 +17,15 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it (a submodule: the name itself).
 _PUBLIC = {
+    "ClipSpec": "jaxdp.clipping.settings",
+    "DPSpec": "jaxdp.clipping.settings",
     "DenseTerm": "jaxdp.core.terms",
     "EmbedTerm": "jaxdp.core.terms",
     "FactoredGrad": "jaxdp.core.terms",
     "FusedClipState": "jaxdp.clipping.aggregation",
     "GaussianPrivatizer": "jaxdp.noise.privatizer",
     "LinearTerm": "jaxdp.core.terms",
+    "NormPlan": "jaxdp.clipping.settings",
     "accounting": None,
     "analysis": None,
     "auditing": None,

@@ -10,6 +10,7 @@ from flax import nnx
 import jaxdp
 from jaxdp.noise import chacha
 from jaxdp.noise import draws as noise
+from jaxdp.clipping.settings import DPSpec
 
 # RFC 8439 section 2.3.2: key 00..1f, nonce 00:00:00:09:00:00:00:4a:00:00:00:00, block counter 1.
 RFC_KEY = np.frombuffer(bytes(range(32)), "<u4")
@@ -113,9 +114,10 @@ def test_secure_noise_comes_from_chacha_alone():
 
     batch = {"x": jnp.ones((2, 3, 8)), "mask": jnp.ones((2,), bool)}
     for secure in (False, True):
-        step = jaxdp.sharding.ShardedDPStep(loss_fn, optax.sgd(1.0), jaxdp.sharding.make_mesh(1), l2_norm_clip=1.0,
-                                            noise_multiplier=1.0, expected_batch_size=2.0, key=jax.random.key(0),
-                                            secure_noise=secure)
+        step = jaxdp.sharding.ShardedDPStep(loss_fn, optax.sgd(1.0), jaxdp.sharding.make_mesh(1),
+                                            DPSpec(l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                   expected_batch_size=2.0, secure_noise=secure),
+                                            key=jax.random.key(0))
         state = step.init(Lin())
         text = primitives(lambda s: step(s, batch), state)
         assert ("rng_bit_generator" in text and "threefry2x32" in text) != secure, secure

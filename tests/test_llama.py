@@ -11,22 +11,19 @@ from dp_testing import (
     lm_loss,
     max_rel_err,
     reference_grads,
+    tiny_llama,
 )
 from flax import nnx
 
 import jaxdp
 import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.models.llama import Llama, LlamaConfig, rope_frequencies
+from jaxdp.clipping.settings import ClipSpec, NormPlan
 
 # Published parameter counts: Llama 3.2 1B / 3B (tied head), Llama 3.1 8B (untied).
 PUBLISHED = {"1B": 1_235_814_400, "3B": 3_212_749_824, "8B": 8_030_261_248}
 RTOL = 1e-5  # float32, highest matmul precision
 EXPECTED_BATCH_SIZE = 5.0
-
-
-def tiny_llama(seed=0, **overrides):
-    config = LlamaConfig.preset("tiny", **dict(dict(vocab_size=97, seq_len=32), **overrides))
-    return Llama(config, rngs=nnx.Rngs(seed))
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -93,7 +90,8 @@ def test_fused_clip_equals_reference(tied, remat):
     batch = lm_batch(seed=12)
     _, ref_grads = reference_grads(lm_loss, model, batch)
     C = clip_between(ref_grads)  # strictly between the norms: some examples clipped, some not
-    txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=c, clip_fn=f, strategy=s)
+    txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clip=ClipSpec(clipping=c, clip_fn=f),
+                            norms=NormPlan(strategy=s))
            for c, f, s in CONFIGS]
     all_updates = first_updates_fn(lm_loss, txs, fallback=False)
 

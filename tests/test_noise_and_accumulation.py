@@ -13,6 +13,7 @@ from flax import nnx
 
 import jaxdp
 from jaxdp.noise.privatizer import GaussianPrivatizer
+from jaxdp.clipping.settings import ClipSpec, DPSpec
 
 SIGMA = 1.3
 EBS = 5.0
@@ -43,9 +44,11 @@ def by_block(path):
 def test_noise_std_is_sigma_c(clipping):
     model, _, C, grads = setup()
     params = nnx.state(model, nnx.Param)
-    noisy = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=clipping, key=jax.random.key(5))
-    clean = jaxdp.fused_clip(C, 0.0, expected_batch_size=EBS, clipping=clipping)
-    other = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=clipping, key=jax.random.key(6))
+    noisy = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=jax.random.key(5),
+                             clip=ClipSpec(clipping=clipping))
+    clean = jaxdp.fused_clip(C, 0.0, expected_batch_size=EBS, clip=ClipSpec(clipping=clipping))
+    other = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=jax.random.key(6),
+                             clip=ClipSpec(clipping=clipping))
     clean_state, other_state = clean.init(params), other.init(params)
 
     @jax.jit
@@ -87,9 +90,9 @@ def test_accumulation_equals_union_and_optimizer_waits():
     k = 3
     params = nnx.state(model, nnx.Param)
     adam = optax.adam(1e-2)
-    tx_union = optax.chain(jaxdp.fused_clip(C, 0.0, expected_batch_size=EBS, clipping="per_layer"), adam)
+    tx_union = optax.chain(jaxdp.fused_clip(C, 0.0, expected_batch_size=EBS, clip=ClipSpec(clipping="per_layer")), adam)
     tx_accum = optax.chain(
-        jaxdp.fused_clip(C, 0.0, expected_batch_size=EBS, clipping="per_layer", accumulation_steps=k),
+        jaxdp.fused_clip(C, 0.0, expected_batch_size=EBS, accumulation_steps=k, clip=ClipSpec(clipping="per_layer")),
         optax.MultiSteps(adam, every_k_schedule=k, use_grad_mean=False).gradient_transformation())
 
     _, grads = grads_fn(model, batch)
@@ -202,21 +205,23 @@ def test_every_init_draws_its_own_noise_key():
     assert len({w.tobytes() for w in members}) == 3
     assert jax.eval_shape(tx.init, params).noise_key.shape == ()
     mesh = jax.make_mesh((1, 1), ("data", "seq"), devices=jax.devices()[:1])
-    step = jaxdp.sharding.ShardedDPStep(lm_loss, optax.sgd(0.1), mesh, l2_norm_clip=C, noise_multiplier=SIGMA,
-                                        expected_batch_size=EBS)
+    step = jaxdp.sharding.ShardedDPStep(lm_loss, optax.sgd(0.1), mesh,
+                                        DPSpec(l2_norm_clip=C, noise_multiplier=SIGMA, expected_batch_size=EBS))
     keys = [np.asarray(jax.random.key_data(step.init(model).noise_key)) for _ in range(2)]
     assert not np.array_equal(*keys)
 
 
 @pytest.mark.parametrize("make, match", [
     (lambda C: jaxdp.sharding.ShardedDPStep(lm_loss, optax.sgd(0.1), jax.make_mesh((1, 1), ("data", "seq")),
-                                            l2_norm_clip=C, noise_multiplier=float("nan"), expected_batch_size=EBS),
+                                            DPSpec(l2_norm_clip=C, noise_multiplier=float("nan"),
+                                                   expected_batch_size=EBS)),
      "noise_multiplier must be >= 0, got nan"),  # NaN passed `< 0` and then skipped the noise
-    (lambda C: jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clip_fn="automatic", gamma=1e-30),
+    (lambda C: jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clip=ClipSpec(clip_fn="automatic", gamma=1e-30)),
      r"gamma must be >= 2\*\*-20"),  # an underflowed norm of 0 passed at C * norm / gamma (3e11 C)
     (lambda C: jaxdp.sharding.ShardedDPStep(lm_loss, optax.sgd(0.1), jax.make_mesh((1, 1), ("data", "seq")),
-                                            l2_norm_clip=C, noise_multiplier=SIGMA, expected_batch_size=EBS,
-                                            clip_fn="automatic", gamma=0.0),
+                                            DPSpec(l2_norm_clip=C, noise_multiplier=SIGMA,
+                                                   expected_batch_size=EBS,
+ clip=ClipSpec(clip_fn="automatic", gamma=0.0))),
      "gamma must be > 0"),
 ], ids=["sharded_nan_sigma", "tiny_gamma", "sharded_zero_gamma"])
 def test_arguments_that_voided_the_noise_or_the_bound_are_refused(make, match):
@@ -245,8 +250,8 @@ def test_update_refuses_gradients_that_are_not_per_example():
     accepted, _ = jax.eval_shape(tx.update, grads, tx.init(params))  # FactoredGrads carry their own shapes
     assert {p: u.shape for p, u in by_path(accepted).items()} == {p: v.shape for p, v in by_path(params).items()}
     for weights, match in (({"rest": float("nan")}, "finite and > 0"), ({}, "no weight for clipping group")):
-        tx = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, clipping=lambda path: "rest",
-                              group_weights=weights, key=jax.random.key(0))
+        tx = jaxdp.fused_clip(C, SIGMA, expected_batch_size=EBS, key=jax.random.key(0),
+                              clip=ClipSpec(clipping=lambda path: "rest", group_weights=weights))
         with pytest.raises(ValueError, match=match):
             tx.update(grads, tx.init(params), params)
 
@@ -400,9 +405,10 @@ def test_secure_noise_reaches_the_noise():
     def loss_fn(model, batch):
         return jnp.where(batch["mask"], model.lin(batch["x"]).sum((1, 2)), 0.0)
 
-    step = jaxdp.sharding.ShardedDPStep(loss_fn, optax.sgd(1.0), jaxdp.sharding.make_mesh(1), l2_norm_clip=C,
-                                        noise_multiplier=sigma, expected_batch_size=1.0, key=fresh_key(),
-                                        secure_noise=True)
+    step = jaxdp.sharding.ShardedDPStep(loss_fn, optax.sgd(1.0), jaxdp.sharding.make_mesh(1),
+                                        DPSpec(l2_norm_clip=C, noise_multiplier=sigma,
+                                               expected_batch_size=1.0, secure_noise=True),
+                                        key=fresh_key())
     batch = {"x": jnp.ones((2, 3, 64)), "mask": jnp.zeros((2,), bool)}  # every example masked: y is the noise
     _, out = step(step.init(One()), batch)
     noise = np.asarray(out["grads"]["lin"]["kernel"])

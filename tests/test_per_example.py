@@ -7,6 +7,7 @@ from dp_testing import by_path, lm_batch, lm_loss, reference_grads, tiny_gpt2
 from flax import nnx
 
 import jaxdp
+from jaxdp.clipping.settings import ClipSpec, NormPlan
 
 
 class MixedNet(nnx.Module):
@@ -100,7 +101,8 @@ regression_grads_fn = nnx.jit(jaxdp.per_example_grads(regression_loss))
 @jax.jit
 def all_clipped_sums(grads):
     """The noiseless clipped sum of every AGGREGATE_CONFIGS entry, in one compile per batch size."""
-    return [jaxdp.clipped_aggregate(grads, SENSITIVITY_C, clipping=clipping, clip_fn=clip_fn, strategy=strategy)[0]
+    return [jaxdp.clipped_aggregate(grads, SENSITIVITY_C, clip=ClipSpec(clipping=clipping, clip_fn=clip_fn),
+                                    norms=NormPlan(strategy=strategy))[0]
             for clipping, clip_fn, strategy in AGGREGATE_CONFIGS]
 
 
@@ -129,17 +131,18 @@ def test_one_example_changes_clipped_sum_by_at_most_c(poison):
     (dict(l2_norm_clip=-1.0), "l2_norm_clip"),
     (dict(noise_multiplier=-0.1), "noise_multiplier"),
     (dict(expected_batch_size=0), "expected_batch_size"),
-    (dict(clipping="per_tensor"), "clipping"),
-    (dict(clip_fn="psac"), "clip_fn"),
-    (dict(strategy="fast"), "strategy"),
+    (dict(clip=lambda: ClipSpec(clipping="per_tensor")), "clipping"),
+    (dict(clip=lambda: ClipSpec(clip_fn="psac")), "clip_fn"),
+    (dict(norms=lambda: NormPlan(strategy="fast")), "strategy"),
     (dict(accumulation_steps=0), "accumulation_steps"),
 ])
 def test_fused_clip_bad_input(kwargs, name):
+    """Refused where it is written: a setting object's field when the object is built."""
     args = dict(l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=8)
     args.update(kwargs)
     C, sigma = args.pop("l2_norm_clip"), args.pop("noise_multiplier")
     with pytest.raises(ValueError, match=name):
-        jaxdp.fused_clip(C, sigma, **args)
+        jaxdp.fused_clip(C, sigma, **{k: v() if callable(v) else v for k, v in args.items()})
 
 
 def test_accounting_bad_delta():
@@ -218,7 +221,7 @@ def test_stored_bf16_per_example_gradients_equal_float64_reference(plant, monkey
         monkeypatch.setattr(norms, "_add_lookups", lambda G, ids_T, g_TD: G.at[ids_T].add(g_TD.astype(G.dtype)))
     else:
         assert norms.per_example_gradients(grad).dtype == jnp.bfloat16
-    tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=1.0, strategy="store")
+    tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=1.0, norms=NormPlan(strategy="store"))
     update, _ = tx.update({"wte": grad}, tx.init({"wte": jnp.zeros((V, D))}))
     f64 = lambda a: np.asarray(a, np.float64)
     G = np.einsum("btv,btd->bvd", f64(g), f64(x))

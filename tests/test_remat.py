@@ -22,6 +22,7 @@ import jaxdp
 import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.models.remat import REMAT_POLICIES, remat_policy
+from jaxdp.clipping.settings import ClipSpec
 
 RTOL = 1e-5
 EXPECTED_BATCH_SIZE = 6.0
@@ -53,7 +54,7 @@ def test_every_policy_equals_reference():
     models = {("gpt2", policy): MAKERS["gpt2"](policy) for policy in REMAT_POLICIES}
     models[("llama", "dots")] = MAKERS["llama"]("dots")
     txs = {name: jaxdp.fused_clip(reference(name)[0], 0.0, expected_batch_size=EXPECTED_BATCH_SIZE,
-                                  clipping="per_layer") for name in MAKERS}
+                                  clip=ClipSpec(clipping="per_layer")) for name in MAKERS}
     grads_fn = jaxdp.per_example_grads(lm_loss, fallback=False)
 
     @nnx.jit

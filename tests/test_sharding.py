@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import jaxdp
 from jaxdp import sharding
 from jaxdp.models.llama import Llama, LlamaConfig
+from jaxdp.clipping.settings import ClipSpec, DPSpec, NormPlan
 
 RTOL = 1e-5
 C, EBS, LR = 0.05, 6.0, 1e-2
@@ -63,7 +64,8 @@ REFERENCE_CONFIGS = (("flat", 0.0), ("per_layer", 0.0), ("flat", SIGMA))
 def single_device(name):
     """{(clipping, sigma): (privatised gradient, params after one DP-Adam step)} on one device, one jit."""
     model, loss_fn, batch = setup(name)
-    dps = [jaxdp.fused_clip(C, sigma, expected_batch_size=EBS, clipping=clipping, key=jax.random.key(7))
+    dps = [jaxdp.fused_clip(C, sigma, expected_batch_size=EBS, key=jax.random.key(7),
+                            clip=ClipSpec(clipping=clipping))
            for clipping, sigma in REFERENCE_CONFIGS]
 
     @nnx.jit
@@ -86,9 +88,10 @@ def single_device(name):
 def sharded(name, mesh_shape, zero_stage, clipping, sigma, method="bookkeeping"):
     model, loss_fn, batch = setup(name)
     mesh = sharding.make_mesh(*mesh_shape)
-    step = sharding.ShardedDPStep(loss_fn, adam(), mesh, l2_norm_clip=C, noise_multiplier=sigma,
-                                  expected_batch_size=EBS, key=jax.random.key(7), zero_stage=zero_stage,
-                                  clipping=clipping, method=method)
+    step = sharding.ShardedDPStep(loss_fn, adam(), mesh,
+                                  DPSpec(l2_norm_clip=C, noise_multiplier=sigma,
+                                         expected_batch_size=EBS, clip=ClipSpec(clipping=clipping)),
+                                  key=jax.random.key(7), zero_stage=zero_stage, method=method)
     state = step.init(model)
     new_state, out = step(state, batch)
     return step, state, new_state, out
@@ -258,25 +261,29 @@ def test_zero3_memory_falls_with_data_shards():
 def test_bad_arguments_are_rejected():
     _, loss_fn, _ = setup("gpt2")
     with pytest.raises(ValueError, match="zero_stage"):
-        sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1), l2_norm_clip=C,
-                               noise_multiplier=0.0, expected_batch_size=EBS, zero_stage=4)
+        sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1),
+                               DPSpec(l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=EBS), zero_stage=4)
     with pytest.raises(ValueError, match="devices"):
         sharding.make_mesh(4, 4)
     with pytest.raises(ValueError, match="method"):
-        sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1), l2_norm_clip=C,
-                               noise_multiplier=0.0, expected_batch_size=EBS, method="ghost")
+        sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1),
+                               DPSpec(l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=EBS),
+                               method="ghost")
     with pytest.raises(ValueError, match="clipping"):
-        sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1), l2_norm_clip=C, noise_multiplier=0.0,
-                               expected_batch_size=EBS, method="two_pass", clipping="per_layer")
+        sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1),
+                               DPSpec(l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=EBS,
+                                      clip=ClipSpec(clipping="per_layer")),
+                               method="two_pass")
     with pytest.raises(ValueError, match='strategy="pallas".*GPU'):  # CPU: JAX's Pallas interpreter
-        sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1), l2_norm_clip=C, noise_multiplier=0.0,
-                               expected_batch_size=EBS, strategy="pallas")
+        sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1),
+                               DPSpec(l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=EBS),
+                               norms=NormPlan(strategy="pallas"))
     # Context parallelism hands the loss its sequence axis (no ambient state): a loss that cannot take it is refused.
     with pytest.raises(ValueError, match="seq_axis"):
         sharding.ShardedDPStep(lambda model, batch: loss_fn(model, batch), adam(), sharding.make_mesh(2, 4),
-                               l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=EBS)
-    step = sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1), l2_norm_clip=C, noise_multiplier=0.0,
-                                  expected_batch_size=EBS)
+                               DPSpec(l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=EBS))
+    step = sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(8, 1),
+                                  DPSpec(l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=EBS))
     with pytest.raises(ValueError, match="init"):  # the layout follows the model
         step.lower(None, setup("gpt2")[2])
     step.init(setup("gpt2")[0])
@@ -293,9 +300,10 @@ def test_pallas_step_lowers_for_cuda(name, mesh_shape, clipping, monkeypatch):
     from jaxdp.pallas import _common
     monkeypatch.setattr(_common, "resolve_interpret", lambda interpret: False)
     model, loss_fn, batch = setup(name)
-    step = sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(*mesh_shape), l2_norm_clip=C,
-                                  noise_multiplier=SIGMA, expected_batch_size=EBS, zero_stage=1,
-                                  clipping=clipping, strategy="pallas")
+    step = sharding.ShardedDPStep(loss_fn, adam(), sharding.make_mesh(*mesh_shape),
+                                  DPSpec(l2_norm_clip=C, noise_multiplier=SIGMA,
+                                         expected_batch_size=EBS, clip=ClipSpec(clipping=clipping)),
+                                  zero_stage=1, norms=NormPlan(strategy="pallas"))
     text = step.lower(step.init(model), batch, lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
 

@@ -3,7 +3,7 @@
 - Parameter + optimizer-state bytes per device fall as 1/N under ZeRO-3 as
   the `data` degree N goes 1, 2, 4, 8; activation (temporary) bytes per
   device fall as 1/S with the `seq` degree S (context parallelism).
-- The non-DP step on the same layout (`ShardedDPStep(private=False)`)
+- The non-DP step on the same layout (`ShardedDPStep(..., NonPrivate(expected_batch_size))`)
   equals the single-device non-DP Adam step.
 - `jaxdp.analysis.collectives` counts a hand-built program's collectives
   by its ring formulas, and the DP - non-DP difference of the sharded steps
@@ -27,6 +27,7 @@ from jaxdp import sharding
 from jaxdp.analysis import collectives
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
+from jaxdp.clipping.settings import DPSpec
 
 RTOL = 1e-5
 C, EBS, LR = 0.05, 7.0, 1e-2
@@ -65,9 +66,9 @@ def setup(name):
 def compiled_step(name, mesh_shape, zero_stage, private):
     """(step, state, compiled program) on the (data, seq) mesh; compiled once, run by the caller if needed."""
     model, batch = setup(name)
-    step = sharding.ShardedDPStep(cp_loss, adam(), sharding.make_mesh(*mesh_shape), l2_norm_clip=C,
-                                  noise_multiplier=0.0, expected_batch_size=EBS, key=jax.random.key(7),
-                                  zero_stage=zero_stage, private=private)
+    release = DPSpec(C, 0.0, EBS) if private else sharding.NonPrivate(EBS)
+    step = sharding.ShardedDPStep(cp_loss, adam(), sharding.make_mesh(*mesh_shape), release, key=jax.random.key(7),
+                                  zero_stage=zero_stage)
     state = step.init(model)
     return step, state, step.lower(state, batch).compile()
 
@@ -134,8 +135,8 @@ def test_activation_bytes_per_device_fall_with_seq_degree():
     K = 4 * (4 * config.n_layer * MEM_B * MEM_T * kv + MEM_B * MEM_T * (config.d_model + 1) + (4 + MEM_B) * psi)
     temp = {}
     for S in (1, 2, 4, 8):
-        step = sharding.ShardedDPStep(cp_loss, adam(), sharding.make_mesh(1, S), l2_norm_clip=C,
-                                      noise_multiplier=0.0, expected_batch_size=EBS)
+        step = sharding.ShardedDPStep(cp_loss, adam(), sharding.make_mesh(1, S),
+                                      DPSpec(l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=EBS))
         temp[S] = step.lower(step.init(model), batch).compile().memory_analysis().temp_size_in_bytes
     print({S: f"{t:,}" for S, t in temp.items()}, f"K = {K:,}")
     assert temp[1] > 10 * K  # activations dominate: the bound says something

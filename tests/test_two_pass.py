@@ -25,6 +25,7 @@ import jaxdp
 import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.clipping import two_pass
 from jaxdp.models.llama import Llama, LlamaConfig
+from jaxdp.clipping.settings import ClipSpec, NormPlan
 
 RTOL = 1e-5  # float32, highest matmul precision
 CONFIGS = [("abadi", "ghost"), ("automatic", "instantiate")]  # each clip_fn and each norm strategy
@@ -36,7 +37,8 @@ def tiny_llama(seed):
 
 def all_configs_fn(loss_fn, C):
     """One jit: (losses, sums, norms) of every (clip_fn, strategy) in CONFIGS."""
-    fns = [two_pass.two_pass_clipped_sums(loss_fn, C, clip_fn=f, strategy=s) for f, s in CONFIGS]
+    fns = [two_pass.two_pass_clipped_sums(loss_fn, C,
+                                          clip=ClipSpec(clip_fn=f), norms=NormPlan(strategy=s)) for f, s in CONFIGS]
     return nnx.jit(lambda model, batch: [fn(model, batch) for fn in fns])
 
 
@@ -116,9 +118,9 @@ def test_bad_input():
     with pytest.raises(ValueError, match="l2_norm_clip"):
         two_pass.two_pass_clipped_sums(lm_loss, 0.0)
     with pytest.raises(ValueError, match="clip_fn"):
-        two_pass.two_pass_clipped_sums(lm_loss, 1.0, clip_fn="psac")
+        two_pass.two_pass_clipped_sums(lm_loss, 1.0, clip=ClipSpec(clip_fn="psac"))
     with pytest.raises(ValueError, match="strategy"):
-        two_pass.two_pass_clipped_sums(lm_loss, 1.0, strategy="fast")
+        two_pass.two_pass_clipped_sums(lm_loss, 1.0, norms=NormPlan(strategy="fast"))
     with pytest.raises(ValueError, match="loss_fn"):
         two_pass.two_pass_clipped_sums(lambda m, b: lm_loss(m, b).mean(), 1.0)(tiny_gpt2(), lm_batch(0))
 
@@ -130,6 +132,7 @@ def test_below_float32_is_refused():
     model, batch = tiny_gpt2(3, dtype="bfloat16"), lm_batch(3, B=2)
     with pytest.raises(ValueError, match="records bfloat16 values .*book-keeping"):
         two_pass.two_pass_clipped_sums(lm_loss, 1.0)(model, batch)
-    shapes = nnx.eval_shape(lambda m: two_pass.two_pass_clipped_sums(lm_loss, 1.0, allow_low_precision=True)(m, batch),
+    shapes = nnx.eval_shape(lambda m: two_pass.two_pass_clipped_sums(lm_loss, 1.0,
+                                                                     norms=NormPlan(allow_low_precision=True))(m, batch),
                             model)
     assert shapes[2].shape == (2,)

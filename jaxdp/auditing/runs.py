@@ -42,6 +42,7 @@ from jaxdp.accounting import accountant as accounting
 from jaxdp.accounting import calibration
 from jaxdp.auditing import bound as auditing
 from jaxdp.clipping.aggregation import fused_clip
+from jaxdp.clipping.settings import ClipSpec
 from jaxdp.core import nn
 from jaxdp.core.losses import lm_losses
 from jaxdp.core.per_example import per_example_grads
@@ -106,8 +107,8 @@ def _with_canaries(grads, x_M1P, g_M1D):
 def _privatizer(bug: str, l2_norm_clip: float, noise_multiplier: float, expected_batch_size: float, key,
                 mechanism: dict):
     """fused_clip as the audited run has it (`mechanism`: clipping, clip_fn, secure_noise), with `bug` planted."""
-    kw = dict(expected_batch_size=expected_batch_size, key=key, clipping=mechanism["clipping"],
-              clip_fn=mechanism["clip_fn"], secure_noise=mechanism["secure_noise"])
+    kw = dict(expected_batch_size=expected_batch_size, key=key, secure_noise=mechanism["secure_noise"],
+              clip=ClipSpec(mechanism["clipping"], mechanism["clip_fn"]))
     if bug == "none":
         return fused_clip(l2_norm_clip, noise_multiplier, **kw)
     if bug == "half_noise":

@@ -7,7 +7,7 @@ is always the transform, never the module."""
 from __future__ import annotations
 
 import math
-from typing import Any, Hashable, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,8 @@ from jaxdp.clipping import rules as clipping_lib
 from jaxdp.core import rows as rows_lib
 from jaxdp.core.terms import DenseTerm, FactoredGrad, as_factored, is_factored, pinned
 from jaxdp.noise import draws as noise_lib
-from jaxdp.noise.privatizer import GaussianPrivatizer
+from jaxdp.clipping.settings import (ClipSpec, DPSpec, NormPlan, accepts_old_keywords, check_clip_spec,
+                                     check_norm_plan)
 
 
 class FusedClipState(NamedTuple):
@@ -72,12 +73,8 @@ def _check_parameter_shapes(grads, params) -> None:
                 "gradients (jaxdp.per_example_grads, or arrays with a leading batch axis), not their sum")
 
 
-def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: str = "abadi",
-                      gamma: float = 0.01, strategy: str = "auto",
-                      group_weights: Mapping[Hashable, float] | None = None,
-                      chunk_size: int = norm_costs.DEFAULT_CHUNK_SIZE,
-                      memory_budget_bytes: int = norm_costs.DEFAULT_MEMORY_BUDGET_BYTES,
-                      store_budget_bytes: int | None = None,
+@accepts_old_keywords
+def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec(), norms: NormPlan = NormPlan(),
                       squared_norms_fn: norms_lib.SquaredNormsFn | None = None):
     """Sum over examples of clipped per-example gradients, and per-group norms.
 
@@ -85,7 +82,8 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     with parameter-shaped leaves; `group_norms` maps each group to its
     per-example norms (B,).
 
-    With `strategy="pallas"`, a group with exactly one linear term (per-layer
+    `clip` says how each example is bounded by `l2_norm_clip` (`jaxdp.ClipSpec`), `norms` how the norms and
+    sums are computed (`jaxdp.NormPlan`). With `norms.strategy="pallas"`, a group with exactly one linear term (per-layer
     clipping: a Linear's kernel, or the tied embedding's head use) takes the
     single-pass kernel for that term: see `_single_pass_sums`.
 
@@ -101,16 +99,17 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
     sequence-shard partials, its norms exact, and the sums this returns the
     shard's share (summed over the sequence axis by the caller).
     """
-    clipping_lib.check_gamma(clip_fn, gamma)
+    check_clip_spec(clip)
+    check_norm_plan(norms)
+    strategy, chunk_size = norms.strategy, norms.chunk_size
     paths, factored, treedef = flatten_grads(grads)
-    groups = [clipping_lib.group_of(p, clipping) for p in paths]
-    thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, group_weights)
+    groups = [clipping_lib.group_of(p, clip.clipping) for p in paths]
+    thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, clip.weights)
     single, single_roots = {}, {}  # single_roots: the single-pass parameter's other terms' |T_i| summed
     if strategy == "pallas" and squared_norms_fn is None:
         from jaxdp.clipping import single_pass as single_pass_lib  # imports jax.experimental.pallas only when used
         single = single_pass_lib.single_linear_terms(factored, groups)
-    dense = {} if squared_norms_fn is not None else _materialized(factored, strategy, chunk_size,
-                                                                    memory_budget_bytes, store_budget_bytes)
+    dense = {} if squared_norms_fn is not None else _materialized(factored, norms)
     sq_by_group, bound_by_group = _materialized_sq_norms(dense, groups, thresholds)
     factored = [grad if i in dense else pinned(grad) for i, grad in enumerate(factored)]
     for i, (grad, group) in enumerate(zip(factored, groups)):
@@ -121,7 +120,8 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
         else:
             skip = single[group][1] if single.get(group, (None,))[0] == i else None
             sq, roots = norms_lib.squared_norms_and_roots(grad, strategy, chunk_size=chunk_size,
-                                                          memory_budget_bytes=memory_budget_bytes, skip_self=skip)
+                                                          memory_budget_bytes=norms.memory_budget_bytes,
+                                                          skip_self=skip)
             bound = norms_lib.rounding_bound(grad, roots)  # the single-pass kernel adds its own term's share
             if skip is not None:
                 single_roots[group] = roots
@@ -129,17 +129,17 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
         bound_by_group[group] = bound if group not in bound_by_group else bound_by_group[group] + bound
 
     def factors_of(norms_B, group, keep_B):
-        return clipping_lib.clip_factors(norms_B, thresholds[group], clip_fn, gamma, keep_B)
+        return clipping_lib.clip_factors(norms_B, thresholds[group], clip.clip_fn, clip.gamma, keep_B)
 
     if single:
         linear_sums, sq_by_group, bound_by_group, keep_pre_B, applied = single_pass_lib.single_pass_sums(
             factored, single, sq_by_group, bound_by_group, single_roots, factors_of, chunk_size)
-    norms = {g: clipping_lib.guarded_norms(sq, bound_by_group[g]) for g, sq in sq_by_group.items()}
-    keep_B = clipping_lib.kept_examples(norms)
-    factors = {g: factors_of(n, g, keep_B) for g, n in norms.items()}
+    guarded = {g: clipping_lib.guarded_norms(sq, bound_by_group[g]) for g, sq in sq_by_group.items()}
+    keep_B = clipping_lib.kept_examples(guarded)
+    factors = {g: factors_of(n, g, keep_B) for g, n in guarded.items()}
     if single:  # a single-pass group's other parameters take the factors its kernel applied (zero if dropped)
         factors.update({g: jnp.where(keep_B, c, 0).astype(factors[g].dtype) for g, c in applied.items()})
-        linear_sums = single_pass_lib.redo_if_dropped_late(linear_sums, factored, single, norms, keep_pre_B,
+        linear_sums = single_pass_lib.redo_if_dropped_late(linear_sums, factored, single, guarded, keep_pre_B,
                                                            keep_B, factors)
     pallas = strategy == "pallas"
     sums = []
@@ -158,7 +158,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
         if rest:  # the tied embedding: its lookup term, clipped with the same factors
             part = part + clipping_lib.clipped_sum(FactoredGrad(rest), factors[group], pallas=True)
         sums.append(part)
-    return jax.tree.unflatten(treedef, sums), norms
+    return jax.tree.unflatten(treedef, sums), guarded
 
 
 # Materialised per-example gradients: small dense ones (biases, norm scales) and the G_b that strategy
@@ -171,13 +171,12 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clipping="flat", clip_fn: s
 _SMALL = 1 << 16  # elements per example below which a materialised gradient joins the block
 
 
-def _materialized(factored, strategy: str, chunk_size: int, memory_budget_bytes: int,
-                  store_budget_bytes: int | None) -> dict:
+def _materialized(factored, plan: NormPlan) -> dict:
     """{parameter index: per-example gradients (B, *shape)}: every single-DenseTerm parameter, and the
     kept G_b of `_stored_gradients`."""
     dense = {i: grad.terms[0].value_B for i, grad in enumerate(factored)
              if len(grad.terms) == 1 and isinstance(grad.terms[0], DenseTerm)}
-    return {**dense, **_stored_gradients(factored, strategy, chunk_size, memory_budget_bytes, store_budget_bytes)}
+    return {**dense, **_stored_gradients(factored, plan)}
 
 
 def _flat_f32(v):
@@ -280,41 +279,29 @@ def _materialized_sums(dense: dict, groups, factors: dict) -> dict:
     return sums
 
 
-def _stored_gradients(factored, strategy: str, chunk_size: int, memory_budget_bytes: int,
-                      store_budget_bytes: int | None) -> dict:
+def _stored_gradients(factored, plan: NormPlan) -> dict:
     """{parameter index: per-example gradients (B, *shape)} of the linear layers (with the tied
     embedding's lookups) whose G_b are kept (`jaxdp.clipping.norm_costs.plan_stored`): all of them with strategy
     "store", the planned ones with "auto"."""
-    if strategy not in ("auto", "store"):
+    if plan.strategy not in ("auto", "store"):
         return {}
     linear = {i: t for i, grad in enumerate(factored) if (t := norms_lib.storable(grad)) is not None}
-    if strategy == "auto":
+    if plan.strategy == "auto":
         shapes = {i: t.x_BTP.shape + t.g_BTD.shape[-1:] + (jnp.result_type(t.x_BTP, t.g_BTD).itemsize,)
                   for i, t in linear.items()}
         rates = device_rates.current()
-        budget = store_budget_bytes if store_budget_bytes is not None else rates.store_budget_bytes(
-            memory_budget_bytes)
-        keep = norm_costs.plan_stored(shapes, rates, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes,
-                                      store_budget_bytes=budget)
+        budget = plan.store_budget_bytes if plan.store_budget_bytes is not None else rates.store_budget_bytes(
+            plan.memory_budget_bytes)
+        keep = norm_costs.plan_stored(shapes, rates, chunk_size=plan.chunk_size,
+                                      memory_budget_bytes=plan.memory_budget_bytes, store_budget_bytes=budget)
         linear = {i: t for i, t in linear.items() if i in keep}
     return {i: norms_lib.per_example_gradients(factored[i]) for i in linear}
 
 
-def check_positive(name, value, allow_zero=False):
-    ok = value >= 0 if allow_zero else value > 0
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-
-
+@accepts_old_keywords
 def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_size: float,
-               key: jax.Array | None = None, clipping="flat", clip_fn: str = "abadi", strategy: str = "auto",
-               accumulation_steps: int = 1, gamma: float = 0.01,
-               group_weights: Mapping[Hashable, float] | None = None,
-               chunk_size: int = norm_costs.DEFAULT_CHUNK_SIZE,
-               memory_budget_bytes: int = norm_costs.DEFAULT_MEMORY_BUDGET_BYTES,
-               store_budget_bytes: int | None = None, secure_noise: bool = False,
-               ) -> optax.GradientTransformation:
+               key: jax.Array | None = None, accumulation_steps: int = 1, secure_noise: bool = False,
+               clip: ClipSpec = ClipSpec(), norms: NormPlan = NormPlan()) -> optax.GradientTransformation:
     """DP-SGD aggregation: clip per example, sum, add Gaussian noise once per logical batch.
 
     `update(grads, state, params=None)` takes per-example gradients, either the
@@ -356,30 +343,17 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
         the operating system's entropy (`jaxdp.noise.draws.init_key`; under jit or
         vmap when the program runs); a pinned key reproduces the noise, and
         whoever knows it can remove the noise: never pin one key for two runs.
-      clipping: "flat" (one group), "per_layer" (a group per module: a
-        parameter's path without its own name), or a callable path -> group key.
-      clip_fn: "abadi" (min(1, C_g/n)) or "automatic" (C_g / (n + gamma)).
-      strategy: per-example norm method: "ghost", "instantiate", "store"
-        (every linear layer of its own keeps its per-example gradients for its
-        norm and its clipped sum) or "auto" (per layer, the fastest of these
-        under `memory_budget_bytes` by the cost model of `jaxdp.clipping.norms` with the
-        device's measured rates, `jaxdp.clipping.device_rates`), or
-        "pallas": linear layers' norms and clipped sums by the `jaxdp.pallas`
-        kernels (Pallas interpreter on CPU), everything else as "auto"; where
-        a clipping group holds a single linear term (per-layer clipping) its
-        gradient tiles are computed once, for norm and sum (the single-pass
-        kernel); otherwise norms and sums are two kernels.
+      clip: how each example is bounded (`jaxdp.ClipSpec`: "flat" / "per_layer" / callable groups,
+        "abadi" or "automatic" clipping, gamma, group weights). Default: flat, Abadi.
+      norms: how the norms and sums are computed (`jaxdp.NormPlan`: strategy "auto" (per layer the fastest
+        of ghost / instantiate / store under a scratch budget, by the cost model of
+        `jaxdp.clipping.norm_costs` and the device's rates), "ghost", "instantiate", "store" or "pallas"
+        (the `jaxdp.pallas` kernels; the single-pass kernel where a group holds one linear term); chunk
+        and budgets). Every plan gives the same guarantee.
       accumulation_steps: micro-batches per logical batch; clipped sums are
         accumulated and noise is added once, on the last. To keep the
         optimizer still on the other micro-steps, wrap it:
         `optax.MultiSteps(opt, accumulation_steps, use_grad_mean=False)`.
-      gamma: stability constant of automatic clipping.
-      group_weights: optional relative weights w_g: C_g = C sqrt(w_g / sum w).
-      chunk_size: examples processed at once by the norm computation.
-      memory_budget_bytes: `strategy="auto"`'s scratch budget per layer.
-      store_budget_bytes: what `strategy="auto"` may hold in kept per-example
-        gradients, in total; None: 1/4 of the device's memory where
-        `jaxdp.clipping.device_rates` knows it, else `memory_budget_bytes`.
       secure_noise: draw each noise value as the sum of 4 scaled normals / 2
         (Opacus' `secure_mode`) and round the noisy sum to a grid of ~std / 2^8
         (snapping): a mitigation of floating-point attacks on the noise, at four
@@ -399,20 +373,13 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
       ...     jaxdp.fused_clip(1.0, 0.9, expected_batch_size=512),
       ...     optax.adamw(3e-4))
     """
-    check_positive("l2_norm_clip", l2_norm_clip)
-    check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
-    check_positive("expected_batch_size", expected_batch_size)
-    check_positive("gamma", gamma)
-    clipping_lib.check_gamma(clip_fn, gamma)
-    check_positive("chunk_size", chunk_size)
+    spec = DPSpec(l2_norm_clip, noise_multiplier, expected_batch_size, clip,
+                  noise_lib.check_secure(secure_noise, "fused_clip"))  # every setting checked here
+    check_norm_plan(norms)
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")
-    clipping_lib.check_clipping(clipping)
-    clipping_lib.check_clip_fn(clip_fn)
-    norms_lib.check_strategy(strategy)
     pinned = noise_lib.check_key(key, "fused_clip")
-    privatizer = GaussianPrivatizer(clipping_lib.noise_std(l2_norm_clip, noise_multiplier), expected_batch_size,
-                                             secure=noise_lib.check_secure(secure_noise, "fused_clip"))
+    privatizer = spec.privatizer()
 
     def init_fn(params):
         accumulated = None
@@ -422,10 +389,7 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
 
     def update_fn(grads, state, params=None):
         _check_parameter_shapes(grads, params)
-        sums, _ = clipped_aggregate(
-            grads, l2_norm_clip, clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,
-            group_weights=group_weights, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes,
-            store_budget_bytes=store_budget_bytes)
+        sums, _ = clipped_aggregate(grads, l2_norm_clip, clip=clip, norms=norms)
         if state.accumulated is not None:
             sums = jax.tree.map(lambda a, s: a + s.astype(a.dtype), state.accumulated, sums)
         is_last = state.micro_step == accumulation_steps - 1

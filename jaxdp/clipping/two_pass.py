@@ -56,9 +56,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdp.clipping import norm_costs
 from jaxdp.clipping import norms as norms_lib
 from jaxdp.clipping import rules as clipping_lib
+from jaxdp.clipping.settings import ClipSpec, NormPlan, accepts_old_keywords, check_clip_spec, check_norm_plan
 from jaxdp.core import _tape
 from jaxdp.core.per_example import (
     LossFn,
@@ -70,43 +70,46 @@ from jaxdp.core.per_example import (
 from jaxdp.core.terms import FactoredGrad, below_float32
 
 
-def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str = "abadi",
-                          gamma: float = 0.01, strategy: str = "auto",
-                          chunk_size: int = norm_costs.DEFAULT_CHUNK_SIZE,
-                          memory_budget_bytes: int = norm_costs.DEFAULT_MEMORY_BUDGET_BYTES,
-                          fallback: bool = True, squared_norms_fn: norms_lib.SquaredNormsFn | None = None,
-                          allow_low_precision: bool = False):
+@accepts_old_keywords
+def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec(),
+                          norms: NormPlan = NormPlan(), fallback: bool = True,
+                          squared_norms_fn: norms_lib.SquaredNormsFn | None = None):
     """Makes `fn(model, batch) -> (losses, sums, norms)`: flat-clipped per-example gradient sums in two passes.
 
     `sums` has the structure of `nnx.state(model, nnx.Param)` and equals the
     `sums` of `jaxdp.clipped_aggregate(per_example_grads(loss_fn)(model, batch)[1],
-    l2_norm_clip, clipping="flat", ...)`; `norms` are the per-example norms (B,).
+    l2_norm_clip, clip=clip, ...)`; `norms` are the per-example norms (B,).
     Noise is not added: see `jaxdp.sharding.ShardedDPStep(method="two_pass")`.
 
     Args:
       loss_fn: `loss_fn(model, batch) -> losses (B,)`, as for `per_example_grads`.
         Every batch leaf with a leading axis of size B is per-example.
       l2_norm_clip: C > 0.
-      clip_fn, gamma: as `jaxdp.fused_clip`.
-      strategy, chunk_size, memory_budget_bytes: how each parameter's norm is
-        formed (`jaxdp.clipping.norms.squared_norms_with_bound`); ignored when `squared_norms_fn` is given.
+      clip: a flat `jaxdp.ClipSpec` (its clip_fn and gamma; one group only).
+      norms: how each parameter's norm is formed (`jaxdp.NormPlan`: strategy, chunk_size,
+        memory_budget_bytes; `jaxdp.clipping.norms.squared_norms_with_bound`), ignored when `squared_norms_fn`
+        is given; and `norms.allow_low_precision`: run a model that records values below float32 (bf16,
+        f16), whose contributions the clip does not bound (module docstring): memory / speed measurements
+        only.
       fallback: as `per_example_grads`.
       squared_norms_fn: `FactoredGrad -> (squared norms (B,), rounding bound (B,))`;
         the context-parallel step passes `jaxdp.sharding.context_parallel.squared_norms`.
-      allow_low_precision: run a model that records values below float32 (bf16, f16), whose
-        contributions the clip does not bound (module docstring): memory / speed measurements only.
 
     Raises (when `fn` is traced):
-      ValueError: a DP layer records a value below float32 and `allow_low_precision` is False.
+      ValueError: a DP layer records a value below float32 and `norms.allow_low_precision` is False.
     """
     if not l2_norm_clip > 0:
         raise ValueError(f"l2_norm_clip must be > 0, got {l2_norm_clip}")
-    clipping_lib.check_clip_fn(clip_fn)
+    check_clip_spec(clip)
+    check_norm_plan(norms)
+    if clip.clipping != "flat" or clip.group_weights is not None:
+        raise ValueError(f"two_pass_clipped_sums clips flat (one group), got clip={clip}; per-layer or grouped "
+                         "clipping: per_example_grads + jaxdp.clipped_aggregate")
+    allow_low_precision = norms.allow_low_precision
     if squared_norms_fn is None:
-        norms_lib.check_strategy(strategy)
-        squared_norms_fn = functools.partial(norms_lib.squared_norms_with_bound, strategy=strategy,
-                                             chunk_size=chunk_size,
-                                             memory_budget_bytes=memory_budget_bytes)
+        squared_norms_fn = functools.partial(norms_lib.squared_norms_with_bound, strategy=norms.strategy,
+                                             chunk_size=norms.chunk_size,
+                                             memory_budget_bytes=norms.memory_budget_bytes)
 
     def fn(model: nnx.Module, batch):
         graphdef, params, rest, uses, axes, losses_of = discover(loss_fn, model, batch)
@@ -117,7 +120,7 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str 
                 "below float32 the clip-weighted second pass rounds differently from the norms' pass and one "
                 "example's contribution can exceed C (seen: 1.0026 C in bfloat16), so the noise would not cover "
                 "it. Use the book-keeping step (per_example_grads + fused_clip; ShardedDPStep "
-                "method='bookkeeping') or float32; allow_low_precision=True runs it without a guarantee "
+                "method='bookkeeping') or float32; NormPlan(allow_low_precision=True) runs it without a guarantee "
                 "(memory / speed measurements only)")
         names = {k: tuple(jax.eval_shape(lambda r, g, u=u: use_terms(u, g, r), u.record, u.y))
                  for k, u in uses.items()}
@@ -163,7 +166,7 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip_fn: str 
 
         norms_B = clipping_lib.guarded_norms(sq_B, bound_B)
         keep_B = clipping_lib.kept_examples({"all": norms_B})  # the drop rule (jaxdp.clipping.rules)
-        factors_B = clipping_lib.clip_factors(norms_B, l2_norm_clip, clip_fn, gamma, keep_B)
+        factors_B = clipping_lib.clip_factors(norms_B, l2_norm_clip, clip.clip_fn, clip.gamma, keep_B)
         # The barrier starts pass 2 after pass 1 has finished: otherwise the scheduler may run the
         # two forwards side by side and hold both passes' activations at once.
         batch2 = _replace_dropped(batch, keep_B, losses.shape[0])

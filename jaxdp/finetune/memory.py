@@ -36,6 +36,7 @@ from jaxdp.core.per_example import per_example_grads
 from jaxdp.finetune import methods as finetune
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.noise.privatizer import GaussianPrivatizer
+from jaxdp.clipping.settings import NormPlan
 
 DP_METHODS = ("bookkeeping", "two_pass")
 
@@ -95,7 +96,8 @@ def step_memory(config: GPT2Config, method: str, *, dp: bool, batch_size: int, s
     graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
     opt_graphdef, opt_state = nnx.split(optimizer)
     grads_fn = per_example_grads(lm_losses, fallback=False)
-    sums_fn = two_pass_clipped_sums(lm_losses, 1.0, fallback=False, allow_low_precision=True)  # memory only
+    sums_fn = two_pass_clipped_sums(lm_losses, 1.0, fallback=False,
+                                    norms=NormPlan(allow_low_precision=True))  # memory only
 
     def step(params, opt_state, frozen, batch):
         model = nnx.merge(graphdef, params, frozen)

@@ -13,6 +13,7 @@ from jaxdp._lazy import lazy_names
 # name -> the module that defines it (a submodule: the name itself).
 _PUBLIC = {
     "DATA": "jaxdp.sharding.mesh",
+    "NonPrivate": "jaxdp.sharding.dp_step",
     "PARTITION_RULES": "jaxdp.sharding.mesh",
     "SEQ": "jaxdp.sharding.mesh",
     "ShardedDPState": "jaxdp.sharding.dp_step",

@@ -38,7 +38,7 @@ no more activations than the non-DP step (XLA:GPU's compile for an H100 fits
 non-DP's longest context; see WORKSPACE.md); the price is a second forward
 and backward. Flat clipping only.
 
-`private=False` is the non-DP baseline on the same layout: step 1 becomes
+`NonPrivate(expected_batch_size)` in place of the `DPSpec` is the non-DP baseline on the same layout: step 1 becomes
 the ordinary gradient of `sum(losses)` (one backward pass, no per-example
 gradients, no norms, no clipping) with respect to the parameters marked
 varying over the mesh (so autodiff inserts no implicit psum), and step 3
@@ -50,8 +50,10 @@ measures it).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -62,10 +64,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdp.clipping import norm_costs
-from jaxdp.clipping import norms as norms_lib
-from jaxdp.clipping import rules as clipping_lib
-from jaxdp.clipping.aggregation import check_positive, clipped_aggregate
+from jaxdp.clipping.aggregation import clipped_aggregate
+from jaxdp.clipping.settings import (CLIP_KEYWORDS, NORM_KEYWORDS, ClipSpec, DPSpec, NormPlan, check_norm_plan,
+                                     check_positive)
 from jaxdp.clipping.two_pass import two_pass_clipped_sums, weighted_loss_grad
 from jaxdp.core.per_example import per_example_grads
 from jaxdp.noise import draws as noise_lib
@@ -88,6 +89,44 @@ def check_mesh_strategy(strategy: str) -> None:
         raise ValueError('strategy="pallas" in ShardedDPStep needs a GPU: without one the Pallas kernels '
                          "run in JAX's interpreter, which cannot run under shard_map; use "
                          'strategy="auto", "ghost" or "instantiate"')
+
+
+@dataclasses.dataclass(frozen=True)
+class NonPrivate:
+    """The non-DP baseline of `ShardedDPStep` on the same layout: the gradient of
+    `sum(losses) / expected_batch_size` by ordinary autodiff. Not differentially private."""
+    expected_batch_size: float
+
+    def __post_init__(self):
+        check_positive("expected_batch_size", self.expected_batch_size)
+
+
+_OLD_DP_KEYWORDS = ("l2_norm_clip", "noise_multiplier", "expected_batch_size", "secure_noise", "private")
+
+
+def _accepts_old_keywords(init):
+    """One release: `ShardedDPStep(..., l2_norm_clip=, noise_multiplier=, expected_batch_size=, clipping=, ...,
+    strategy=, chunk_size=, private=)` (the keywords before `DPSpec` / `NormPlan`), with a DeprecationWarning."""
+    @functools.wraps(init)
+    def wrapper(self, loss_fn, tx, mesh, dp=None, **kw):
+        old = {k: kw.pop(k) for k in (*_OLD_DP_KEYWORDS, *CLIP_KEYWORDS) if k in kw}
+        old_norms = {k: kw.pop(k) for k in NORM_KEYWORDS if k in kw}
+        if old or old_norms:
+            warnings.warn(f"ShardedDPStep({', '.join(f'{k}=' for k in {**old, **old_norms})}) is now "
+                          "ShardedDPStep(loss_fn, tx, mesh, jaxdp.DPSpec(...), norms=jaxdp.NormPlan(...)); the old "
+                          "keywords go in the next release", DeprecationWarning, stacklevel=2)
+        if old:
+            if dp is not None:
+                raise TypeError("ShardedDPStep: dp and the old keywords given together")
+            clip = ClipSpec(**{k: old.pop(k) for k in CLIP_KEYWORDS if k in old})
+            dp = (DPSpec(old["l2_norm_clip"], old["noise_multiplier"], old["expected_batch_size"], clip,
+                         old.get("secure_noise", False))
+                  if old.get("private", True) else NonPrivate(old["expected_batch_size"]))
+        if old_norms:
+            kw["norms"] = NormPlan(**old_norms)
+        return init(self, loss_fn, tx, mesh, dp, **kw)
+
+    return wrapper
 
 
 class ShardedDPState(NamedTuple):
@@ -149,15 +188,15 @@ class ShardedDPStep:
     `grads` handed to the optimizer. `step.update_model(model, state)` writes
     the parameters back into an NNX model.
 
-    `private=False` builds the non-DP baseline with the same layout and
-    reductions: `grads` is the gradient of `sum(losses) / expected_batch_size`
-    (the mean loss when the batch holds `expected_batch_size` real examples),
-    by ordinary autodiff; `l2_norm_clip`, `noise_multiplier` and the clipping
-    options are then ignored. It is not differentially private.
+    `dp`: the release (`jaxdp.DPSpec`: C, sigma, the expected batch size, the `ClipSpec`, secure
+    noise), or `NonPrivate(expected_batch_size)`: the non-DP baseline with the same layout and
+    reductions, `grads` the gradient of `sum(losses) / expected_batch_size` (the mean loss when the
+    batch holds `expected_batch_size` real examples) by ordinary autodiff. `norms`: how the norms and
+    sums are formed (`jaxdp.NormPlan`; "pallas" needs a GPU here). `method`: "bookkeeping" or
+    "two_pass" (flat clipping only; module docstring).
 
     `key`: the noise PRNG key of `init`'s state; None (the default): each `init` draws a fresh
-    one from the operating system's entropy (`jaxdp.noise.draws.secret_key`). `secure_noise`: as
-    `jaxdp.fused_clip`'s (4 draws per noise value, the noisy sum snapped to a grid).
+    one from the operating system's entropy (`jaxdp.noise.draws.secret_key`).
 
     `loss_fn(model, batch) -> losses (B,)`. On a mesh with seq > 1 (context
     parallelism) the step calls `loss_fn(model, batch, seq_axis=SEQ)` on each
@@ -176,40 +215,28 @@ class ShardedDPStep:
     one example in two places: sensitivity 2C). Fetch the state with `processes.fetch`.
     """
 
-    def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh, *,
-                 l2_norm_clip: float, noise_multiplier: float, expected_batch_size: float,
-                 key: jax.Array | None = None, zero_stage: int = 0, clipping="flat", clip_fn: str = "abadi",
-                 gamma: float = 0.01, strategy: str = "auto", group_weights=None,
-                 chunk_size: int = norm_costs.DEFAULT_CHUNK_SIZE, private: bool = True,
-                 method: str = "bookkeeping", allow_low_precision: bool = False, secure_noise: bool = False):
+    @_accepts_old_keywords
+    def __init__(self, loss_fn: Callable, tx: optax.GradientTransformation, mesh, dp: DPSpec | NonPrivate, *,
+                 key: jax.Array | None = None, zero_stage: int = 0, norms: NormPlan = NormPlan(),
+                 method: str = "bookkeeping"):
+        if not isinstance(dp, (DPSpec, NonPrivate)):
+            raise TypeError(f"dp must be a jaxdp.DPSpec (or jaxdp.sharding.NonPrivate for the non-DP baseline), "
+                            f"got {type(dp).__name__}: {dp!r}")
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if private and method == "two_pass" and clipping != "flat":
-            raise ValueError(f'method="two_pass" needs clipping="flat", got clipping={clipping!r}; '
+        self.private = isinstance(dp, DPSpec)
+        if self.private and method == "two_pass" and (dp.clip.clipping != "flat" or dp.clip.group_weights):
+            raise ValueError(f'method="two_pass" needs flat clipping, got clipping={dp.clip.clipping!r}; '
                              'use method="bookkeeping" for per-layer or grouped clipping')
-        if private:  # NaN passes a `<= 0` check, and a NaN std would skip the noise: checked as `> 0`
-            check_positive("l2_norm_clip", l2_norm_clip)
-            check_positive("noise_multiplier", noise_multiplier, allow_zero=True)
-            check_positive("gamma", gamma)
-        check_positive("expected_batch_size", expected_batch_size)
-        clipping_lib.check_clipping(clipping)
-        clipping_lib.check_clip_fn(clip_fn)
-        clipping_lib.check_gamma(clip_fn, gamma)
-        norms_lib.check_strategy(strategy)
-        check_mesh_strategy(strategy)
+        check_norm_plan(norms)
+        check_mesh_strategy(norms.strategy)
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
-        self.zero_stage, self.private, self.method = zero_stage, private, method
-        self.allow_low_precision = allow_low_precision  # two_pass below float32: measurements only (jaxdp.clipping.two_pass)
+        self.dp, self.norms, self.zero_stage, self.method = dp, norms, zero_stage, method
         self.pinned_key = noise_lib.check_key(key, "ShardedDPStep")
-        secure_noise = noise_lib.check_secure(secure_noise, "ShardedDPStep")
-        self.privatizer = (GaussianPrivatizer(clipping_lib.noise_std(l2_norm_clip, noise_multiplier), expected_batch_size,
-                                                       secure=secure_noise)
-                           if private else GaussianPrivatizer(0.0, expected_batch_size, secure_noise))
-        self.clip_kwargs = dict(clipping=clipping, clip_fn=clip_fn, gamma=gamma, strategy=strategy,
-                                group_weights=group_weights, chunk_size=chunk_size)
-        self.l2_norm_clip = l2_norm_clip
+        self.privatizer = (dp.privatizer() if self.private
+                           else GaussianPrivatizer(0.0, dp.expected_batch_size))  # no noise: the mean gradient
         self.num_data, self.num_seq = mesh.shape[DATA], mesh.shape[SEQ]
         if self.num_seq > 1:
             _check_takes_seq_axis(loss_fn)
@@ -286,17 +313,15 @@ class ShardedDPStep:
     def _clipped_sums(self, loss_fn, graphdef, params, rest, batch):
         """DP: per-example losses and this device's share of the clipped per-example gradient sums."""
         model = nnx.merge(graphdef, params, rest)
-        kw = self.clip_kwargs
+        dp, plan = self.dp, self.norms
         norms_fn = None if self.cp_axis is None else functools.partial(
-            context_parallel.squared_norms, axis=SEQ, strategy=kw["strategy"], chunk_size=kw["chunk_size"])
+            context_parallel.squared_norms, axis=SEQ, strategy=plan.strategy, chunk_size=plan.chunk_size)
         if self.method == "two_pass":
-            losses, sums, _ = two_pass_clipped_sums(
-                loss_fn, self.l2_norm_clip, clip_fn=kw["clip_fn"], gamma=kw["gamma"], strategy=kw["strategy"],
-                chunk_size=kw["chunk_size"], squared_norms_fn=norms_fn,
-                allow_low_precision=self.allow_low_precision)(model, batch)
+            losses, sums, _ = two_pass_clipped_sums(loss_fn, dp.l2_norm_clip, clip=dp.clip, norms=plan,
+                                                    squared_norms_fn=norms_fn)(model, batch)
             return losses, sums
         losses, grads = per_example_grads(loss_fn)(model, batch)
-        sums, _ = clipped_aggregate(grads, self.l2_norm_clip, squared_norms_fn=norms_fn, **kw)
+        sums, _ = clipped_aggregate(grads, dp.l2_norm_clip, clip=dp.clip, norms=plan, squared_norms_fn=norms_fn)
         return losses, sums
 
     def _loss_grad(self, loss_fn, graphdef, params, rest, batch):

@@ -3,7 +3,7 @@
 LongShield's Tables 4-5 layout (`experiments/long_context.py` is its main).
 For one model, remat policy and (data, seq) mesh, DP (`ShardedDPStep`:
 per-example gradients, clipping and noise, then Adam) or non-DP
-(`ShardedDPStep(private=False)`: the mean-loss gradient, then Adam, on the
+(`ShardedDPStep(..., NonPrivate(B))`: the mean-loss gradient, then Adam, on the
 same mesh with the same shardings and reductions), `measure` searches the
 sequence length (`longest_fitting`: doubling from min_seq_len x seq, then
 bisection on multiples of the granularity) whose compiled step's memory PER
@@ -30,7 +30,8 @@ from jax.sharding import NamedSharding
 
 from jaxdp.analysis.hlo_cost import target_devices
 from jaxdp.core import sequence_shards as context
-from jaxdp.sharding.dp_step import ShardedDPStep
+from jaxdp.clipping.settings import DPSpec, NormPlan
+from jaxdp.sharding.dp_step import NonPrivate, ShardedDPStep
 from jaxdp.sharding.mesh import make_mesh
 
 # --smoke: the sweep shrunk to tiny models on 8 fake CPU devices (compiles dominate its time).
@@ -66,12 +67,12 @@ def loss_fn(model, batch, seq_axis=None):
 def make_step(build_model, dp: bool, mesh, B: int, zero_stage: int, dp_method: str):
     """(step, model builder) of one configuration; `B` is the global batch size.
 
-    DP and non-DP are the same `ShardedDPStep` (`private=dp`): same mesh, shardings
+    DP and non-DP are the same `ShardedDPStep` (`NonPrivate` for non-DP): same mesh, shardings
     and reductions, so the two differ only by what DP adds.
     """
-    step = ShardedDPStep(loss_fn, optax.adam(1e-4), mesh, l2_norm_clip=1.0, noise_multiplier=0.8,
-                         expected_batch_size=float(B), zero_stage=zero_stage, private=dp, method=dp_method,
-                         allow_low_precision=True)  # measures memory and time; releases nothing
+    release = DPSpec(1.0, 0.8, float(B)) if dp else NonPrivate(float(B))
+    step = ShardedDPStep(loss_fn, optax.adam(1e-4), mesh, release, zero_stage=zero_stage, method=dp_method,
+                         norms=NormPlan(allow_low_precision=True))  # measures memory and time; releases nothing
     return step, lambda: build_model(nnx.Rngs(0))
 
 

@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from jaxdp.clipping.aggregation import FusedClipState, fused_clip
+from jaxdp.clipping.settings import ClipSpec, DPSpec, NormPlan
 from jaxdp.core import reference
 from jaxdp.core.losses import cp_lm_losses, lm_losses
 from jaxdp.core.per_example import per_example_grads
@@ -49,27 +50,17 @@ class AdamWPlan:
                    config.b2, config.weight_decay, accumulation_steps or config.accumulation_steps)
 
 
-@dataclasses.dataclass(frozen=True)
-class DPPlan:
-    """The run's DP aggregation (`fused_clip`'s settings); None in `_make_tx` for the non-DP baseline."""
-    l2_norm_clip: float
-    noise_multiplier: float
-    expected_batch_size: float
-    clipping: str
-    clip_fn: str
-    strategy: str
-    secure_noise: bool
-
-    @classmethod
-    def of(cls, config, noise_multiplier: float, expected_batch_size: float) -> DPPlan:
-        dp = config.dp
-        return cls(dp.l2_norm_clip, float(noise_multiplier), float(expected_batch_size), dp.clipping, dp.clip_fn,
-                   "auto" if dp.strategy == "reference" else dp.strategy, dp.secure_noise)
+def dp_settings(config, noise_multiplier: float, expected_batch_size: float) -> tuple[DPSpec, NormPlan]:
+    """The run's release (`config.dp` with the calibrated sigma) and norm plan, as the library takes them."""
+    dp = config.dp
+    return (DPSpec(dp.l2_norm_clip, float(noise_multiplier), float(expected_batch_size),
+                   ClipSpec(dp.clipping, dp.clip_fn), dp.secure_noise),
+            NormPlan("auto" if dp.strategy == "reference" else dp.strategy))
 
 
 def _tx_of(config, noise_multiplier: float, expected_batch_size: float, accumulation_steps: int | None):
-    dp = DPPlan.of(config, noise_multiplier, expected_batch_size) if config.dp.enabled else None
-    return _make_tx(AdamWPlan.of(config, accumulation_steps), dp)
+    dp, norms = dp_settings(config, noise_multiplier, expected_batch_size) if config.dp.enabled else (None, NormPlan())
+    return _make_tx(AdamWPlan.of(config, accumulation_steps), dp, norms)
 
 
 def make_optimizer(config, model: nnx.Module, *, noise_multiplier: float, expected_batch_size: float,
@@ -104,7 +95,7 @@ def noise_key_variable(optimizer: nnx.Optimizer) -> nnx.Variable:
 # key is a fixed placeholder, overwritten there (drawing a secret one would be a collective on
 # several processes, and refused under compiled_step_bytes's eval_shape).
 @functools.lru_cache(maxsize=64)
-def _make_tx(adamw_plan: AdamWPlan, dp: DPPlan | None) -> optax.GradientTransformation:
+def _make_tx(adamw_plan: AdamWPlan, dp: DPSpec | None, norms: NormPlan = NormPlan()) -> optax.GradientTransformation:
     a, k = adamw_plan, adamw_plan.accumulation_steps
     warmup = min(a.warmup_steps, max(a.steps - 1, 0))
     schedule = optax.warmup_cosine_decay_schedule(
@@ -115,8 +106,8 @@ def _make_tx(adamw_plan: AdamWPlan, dp: DPPlan | None) -> optax.GradientTransfor
         return inner
     return optax.chain(
         fused_clip(dp.l2_norm_clip, dp.noise_multiplier, expected_batch_size=dp.expected_batch_size,
-                   key=noise_lib.noise_key_from_seed(0), clipping=dp.clipping, clip_fn=dp.clip_fn,
-                   strategy=dp.strategy, accumulation_steps=k, secure_noise=dp.secure_noise),
+                   key=noise_lib.noise_key_from_seed(0), accumulation_steps=k, secure_noise=dp.secure_noise,
+                   clip=dp.clip, norms=norms),
         inner)
 
 
@@ -202,13 +193,11 @@ class ShardedTrainer:
         from jaxdp import sharding
         self.model, self.optimizer = model, optimizer
         mesh = sharding.make_mesh(config.mesh.data, config.mesh.seq)
-        dp = config.dp
+        dp, norms = dp_settings(config, noise_multiplier, float(config.batch_size))
         inner = _make_tx(AdamWPlan.of(config, 1), None)  # the step clips and noises; adamw after it
         self.step = sharding.ShardedDPStep(  # the run's noise key, from fused_clip's state in `optimizer`
-            cp_lm_losses, inner, mesh, l2_norm_clip=dp.l2_norm_clip, noise_multiplier=float(noise_multiplier),
-            expected_batch_size=float(config.batch_size), key=noise_key_variable(optimizer).get_value(),
-            zero_stage=config.mesh.zero_stage, clipping=dp.clipping, clip_fn=dp.clip_fn, strategy=dp.strategy,
-            method=dp.method, secure_noise=dp.secure_noise)
+            cp_lm_losses, inner, mesh, dp, key=noise_key_variable(optimizer).get_value(),
+            zero_stage=config.mesh.zero_stage, norms=norms, method=config.dp.method)
         self.load()
 
     def _adam_variables(self):
