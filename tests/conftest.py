@@ -38,3 +38,11 @@ def _free_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A tiny real-text corpus file (`job_testing.write_tiny_corpus`), one per test module. The job helpers
+    are imported here, not above: only a module that asks for a corpus loads them."""
+    from job_testing import write_tiny_corpus
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))

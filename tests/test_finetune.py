@@ -9,7 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from dp_testing import by_path, lm_batch, lm_loss
+from dp_testing import (
+    by_path,
+    clipped_sums_and_reference,
+    fast_jit,
+    lm_batch,
+    lm_loss,
+    plant,
+    random_model,
+)
 from flax import nnx
 
 import jaxdp
@@ -27,19 +35,6 @@ def tiny_config(n_layer=1):
     return dataclasses.replace(GPT2Config.preset("tiny", vocab_size=97, seq_len=32), n_layer=n_layer)
 
 
-def random_model(build, seed):
-    """The model `build()` makes, built abstractly (no eager init: at these shapes its op-by-op compiles cost
-    seconds), with every parameter drawn afresh: N(1, 0.1^2) for norm scales, N(0, 0.1^2) otherwise. So
-    LoRA's B and the side network's up-projection are not zero (which would zero the per-example gradients
-    before them and leave the comparison empty)."""
-    graphdef, state = nnx.split(nnx.eval_shape(build))
-    rng = np.random.default_rng(seed)
-    leaves = [(path, var.replace(jnp.asarray((path[-1] == "scale") + 0.1 * rng.standard_normal(var.shape),
-                                             var.dtype)))
-              for path, var in nnx.to_flat_state(state)]
-    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
-
-
 def prepared(method, seed):
     """A one-block tiny GPT-2 fine-tuned by `method`, random parameters."""
     return random_model(lambda: finetune.prepare(GPT2(tiny_config(), rngs=nnx.Rngs(seed)), method,
@@ -53,37 +48,6 @@ def _frozen_head_in_chunks_of_7_tokens():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(jaxdp.core.losses, "HEAD_CHUNK_BYTES", 4 * 97 * 7)
         yield
-
-
-def plant(per_example):
-    """A 1% error in the per-example gradients {path: (B, ...)} of the first trainable parameter."""
-    first = next(iter(per_example))
-    return {p: g * 1.01 if p == first else g for p, g in per_example.items()}
-
-
-# Tiny shapes: compile time dominates, and XLA's backend optimisations cost half of it (as experiments/long_context).
-FAST_COMPILE = dict(xla_backend_optimization_level=0, xla_llvm_disable_expensive_passes=True)
-
-
-def fast_jit(fn):
-    """`jax.jit` of `fn(graphdef, state, *args)` (graphdef static) with FAST_COMPILE."""
-    return jax.jit(fn, static_argnums=0, compiler_options=FAST_COMPILE)
-
-
-@fast_jit
-def fast_and_reference(graphdef, state, batch, C):
-    """Clipped sums of the factored path (flat: ghost norms, per-layer: instantiated) and of the vmap
-    reference, and the reference's flat sums with a planted error: one compile per method."""
-    model = nnx.merge(graphdef, state)
-    _, grads = jaxdp.per_example_grads(lm_loss, fallback=False)(model, batch)
-    _, ref = jaxdp.core.reference.per_example_grads(lm_loss, model, batch)
-    out = {}
-    for clipping, strategy in (("flat", "ghost"), ("per_layer", "instantiate")):
-        expected, norms = jaxdp.core.reference.clipped_sum(ref, C, clipping=clipping)
-        out[clipping] = {"expected": expected, "norms": norms,
-                         "fast": jaxdp.clipped_aggregate(grads, C, clipping=clipping, strategy=strategy)[0]}
-    out["flat"]["planted"] = jaxdp.core.reference.clipped_sum(plant(ref), C)[0]
-    return out
 
 
 @fast_jit
@@ -154,9 +118,9 @@ def test_equals_reference_on_trainable_parameters(method):
     batch = lm_batch(seed=len(method) + 1, B=5, T=12)
     # First call: the reference's per-example norms; second: C strictly between them (some clipped).
     graphdef, state = nnx.split(model)
-    norms = np.asarray(fast_and_reference(graphdef, state, batch, jnp.float32(1e6))["flat"]["norms"]["all"])
+    norms = np.asarray(clipped_sums_and_reference(graphdef, state, batch, jnp.float32(1e6))["flat"]["norms"]["all"])
     norms = np.sort(norms[norms > 0])
-    out = jax.device_get(fast_and_reference(graphdef, state, batch, jnp.float32(np.sqrt(norms[0] * norms[-1]))))
+    out = jax.device_get(clipped_sums_and_reference(graphdef, state, batch, jnp.float32(np.sqrt(norms[0] * norms[-1]))))
     for clipping, sums in out.items():
         expected = numpy_by_path(sums["expected"])
         assert set(expected) == set(finetune.trainable_paths(model))

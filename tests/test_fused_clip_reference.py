@@ -8,13 +8,17 @@ import numpy as np
 import optax
 import pytest
 from dp_testing import (
+    CLIPPINGS,
+    EXPECTED_BATCH_SIZE,
+    RTOL,
     by_path,
-    clip_between,
     first_updates_fn,
+    gpt2_case,
+    gpt2_case_with_reference,
     lm_batch,
     lm_loss,
     max_rel_err,
-    reference_grads,
+    reference_update,
     tiny_gpt2,
 )
 from flax import nnx
@@ -22,42 +26,10 @@ from flax import nnx
 import jaxdp
 import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 
-EXPECTED_BATCH_SIZE = 5.0
-RTOL = 1e-5  # float32, highest matmul precision
-
-
-def by_block(path):
-    """An explicit grouping: one group per transformer block, one for the rest."""
-    return path[:2] if path[0] == "blocks" else "embeddings_and_final_norm"
-
-
-CLIPPINGS = {"flat": "flat", "per_layer": "per_layer", "by_block": by_block}
-
-
-@functools.lru_cache(maxsize=None)
-def setup_with_reference(remat):
-    """model, batch, C and the vmap reference's (losses, {path: per-example grads}), jitted (one compile)."""
-    model = tiny_gpt2(seed=11, remat=remat)
-    batch = lm_batch(seed=12)
-    reference = reference_grads(lm_loss, model, batch)
-    return model, batch, clip_between(reference[1]), reference
-
-
-def setup(remat):
-    model, batch, C, (_, ref_grads) = setup_with_reference(remat)
-    return model, batch, C, ref_grads
-
-
 @functools.lru_cache(maxsize=None)
 def eager_grads(remat):
-    model, batch, _, _ = setup(remat)
+    model, batch, _, _ = gpt2_case(remat)
     return jaxdp.per_example_grads(lm_loss)(model, batch)
-
-
-def expected_update(remat, clipping, clip_fn):
-    _, _, C, ref_grads = setup(remat)
-    sums, _ = jaxdp.core.reference.clipped_sum(ref_grads, C, clipping=CLIPPINGS[clipping], clip_fn=clip_fn)
-    return {p: s / EXPECTED_BATCH_SIZE for p, s in sums.items()}
 
 
 # chunk_size 8 >= B: one vmap; 4: two chunks. Chunking only regroups examples after the per-example gradients,
@@ -69,13 +41,13 @@ def expected_update(remat, clipping, clip_fn):
 @pytest.mark.parametrize("clipping", list(CLIPPINGS))
 def test_eager_equals_reference(clipping, clip_fn, strategy, chunk_size, remat):
     """Every clipping x clip_fn x strategy x chunking, eagerly (each op compiled once, shared by all cases)."""
-    model, _, C, _ = setup(remat)
+    model, _, C, _ = gpt2_case(remat)
     _, grads = eager_grads(remat)
     tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=CLIPPINGS[clipping],
                           clip_fn=clip_fn, strategy=strategy, chunk_size=chunk_size)
     params = nnx.state(model, nnx.Param)
     updates, _ = tx.update(grads, tx.init(params), params)
-    assert max_rel_err(updates, expected_update(remat, clipping, clip_fn)) <= RTOL
+    assert max_rel_err(updates, reference_update(remat, clipping, clip_fn)) <= RTOL
 
 
 # Under jit (the eager test has every combination): each clipping, clip_fn, strategy and chunking at least once.
@@ -87,21 +59,21 @@ STORE_CONFIGS = [(clipping, clip_fn, "store", 8) for clipping in CLIPPINGS for c
 @pytest.mark.parametrize("remat", [False, True], ids=["no_remat", "remat"])
 def test_jit_equals_reference(remat):
     """per_example_grads + fused_clip traced under jit, JIT_CONFIGS (and "store") in one jitted function."""
-    model, batch, C, _ = setup(remat)
+    model, batch, C, _ = gpt2_case(remat)
     configs = JIT_CONFIGS + ([] if remat else STORE_CONFIGS)
     txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=CLIPPINGS[c],
                             clip_fn=f, strategy=s, chunk_size=chunk_size) for c, f, s, chunk_size in configs]
     all_updates = first_updates_fn(lm_loss, txs)
 
     for (clipping, clip_fn, strategy, chunk_size), updates in zip(configs, all_updates(model, batch)):
-        err = max_rel_err(updates, expected_update(remat, clipping, clip_fn))
+        err = max_rel_err(updates, reference_update(remat, clipping, clip_fn))
         assert err <= RTOL, (clipping, clip_fn, strategy, chunk_size, err)
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["no_remat", "remat"])
 def test_jit_train_step_with_nnx_optimizer(remat):
     """The user's train step: nnx.jit, nnx.Optimizer, optax.chain(fused_clip, sgd(lr=1))."""
-    model, batch, C, _ = setup(remat)
+    model, batch, C, _ = gpt2_case(remat)
     model = nnx.clone(model)
     before = by_path(nnx.state(model, nnx.Param))
     tx = optax.chain(
@@ -120,7 +92,7 @@ def test_jit_train_step_with_nnx_optimizer(remat):
 
     step(model, optimizer, batch)
     after = by_path(nnx.state(model, nnx.Param))
-    expected = expected_update(remat, "per_layer", "abadi")
+    expected = reference_update(remat, "per_layer", "abadi")
     # sgd(1): params -= update; the subtraction costs ~|param| eps absolute.
     for p, e in expected.items():
         tol = RTOL * float(jnp.max(jnp.abs(e))) + 4 * np.finfo(np.float32).eps * float(jnp.max(jnp.abs(before[p])))
@@ -134,14 +106,14 @@ def test_jit_train_step_with_nnx_optimizer(remat):
 
 def test_losses_equal_reference():
     losses, _ = eager_grads(False)
-    _, _, _, (ref_losses, _) = setup_with_reference(False)
+    _, _, _, (ref_losses, _) = gpt2_case_with_reference(False)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert float(losses[-1]) == 0.0  # the masked padding example
 
 
 def test_per_example_gradients_equal_reference():
     """Every factored per-example gradient, instantiated, equals the vmap one."""
-    _, _, _, ref_grads = setup(False)
+    _, _, _, ref_grads = gpt2_case(False)
     _, grads = eager_grads(False)
     for path, grad in by_path(grads).items():
         dense = sum(jaxdp.core.terms.instantiate(t) for t in grad.terms)
@@ -186,18 +158,18 @@ def test_norms_equal_reference_float64():
 def test_plain_per_example_arrays():
     """fused_clip also takes materialised per-example gradients (B, ...), like optax's DP aggregate, with the
     parameters (which check that they are per-example: a summed gradient is refused)."""
-    model, _, C, ref_grads = setup(False)
+    model, _, C, ref_grads = gpt2_case(False)
     tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping="per_layer")
     nested = nnx.from_flat_state(list(ref_grads.items()))
     params = nnx.state(model, nnx.Param)
     updates, _ = tx.update(nested, tx.init(params), params)
-    assert max_rel_err(updates, expected_update(False, "per_layer", "abadi")) <= RTOL
+    assert max_rel_err(updates, reference_update(False, "per_layer", "abadi")) <= RTOL
 
 
 def test_planted_error_is_caught(monkeypatch):
     """Dropping the tied-embedding cross term must break reference equality."""
     from jaxdp.clipping import norms as norms_lib
-    _, _, C, ref_grads = setup(False)
+    _, _, C, ref_grads = gpt2_case(False)
     _, grads = eager_grads(False)
     original = norms_lib.squared_norms_and_roots
 
@@ -207,6 +179,6 @@ def test_planted_error_is_caught(monkeypatch):
 
     monkeypatch.setattr(norms_lib, "squared_norms_and_roots", without_cross_terms)
     _, norms = jaxdp.clipped_aggregate(grads, C)
-    _, ref_norms = jaxdp.core.reference.clipped_sum(ref_grads, C)  # the vmap reference's (jitted in setup)
+    _, ref_norms = jaxdp.core.reference.clipped_sum(ref_grads, C)  # the vmap reference's (jitted in gpt2_case)
     rel = jnp.abs(norms["all"] - ref_norms["all"])[:-1] / ref_norms["all"][:-1]
     assert float(jnp.max(rel)) > 100 * RTOL

@@ -6,10 +6,11 @@ import struct
 
 import numpy as np
 import pytest
+from dp_testing import write_hf_checkpoint
 from flax import nnx
 
 from jaxdp.models.hf_gpt2 import load_hf_gpt2, save_hf_gpt2
-from jaxdp.models.safetensors_io import read_safetensors, write_safetensors
+from jaxdp.models.safetensors_io import read_safetensors
 
 N_LAYER, N_HEAD, N_EMBD, VOCAB, N_POS = 2, 2, 32, 61, 24
 HF_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
@@ -40,11 +41,7 @@ def random_hf_tensors(seed, prefix=""):
 
 
 def write_checkpoint(path, tensors, config=HF_CONFIG):
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    write_safetensors(os.path.join(path, "model.safetensors"), tensors, {"format": "pt"})
-    return str(path)
+    return write_hf_checkpoint(path, tensors, config)
 
 
 def hf_forward_f64(t, tokens_BT):

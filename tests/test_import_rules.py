@@ -202,3 +202,29 @@ def test_no_docstring_or_comment_cites_a_review_or_a_commit():
     found = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in sorted(PACKAGE.rglob("*.py"))
              for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == []
+
+
+def imported_test_modules(source: str, test_modules: set[str]) -> set[str]:
+    """The names of `test_modules` that `source` imports: `import`, `from ... import` (at module level or in a
+    function) or `importlib.import_module` / `__import__` of a literal name."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)):
+            found.add(str(node.args[0].value).split(".")[0])
+    return found & test_modules
+
+
+def test_no_test_file_imports_another_test_file():
+    """Shared helpers live in tests/conftest.py, dp_testing.py (models, gradients) and job_testing.py (the jobs);
+    a test file imported by another would bring its fixtures and module state along and tie the two together."""
+    tests = {f.stem: f for f in sorted((ROOT / "tests").glob("test_*.py"))}
+    found = {name: sorted(imported_test_modules(path.read_text(), set(tests) - {name})) for name, path in tests.items()}
+    assert {name: imported for name, imported in found.items() if imported} == {}
+    planted = ("from test_pretrain import tiny_config\n\ndef f():\n    import test_llama\n"
+               "    importlib.import_module('test_finetune')\n    from dp_testing import lm_loss\n")
+    assert imported_test_modules(planted, set(tests)) == {"test_pretrain", "test_llama", "test_finetune"}

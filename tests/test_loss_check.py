@@ -5,9 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from dp_testing import lm_batch, lm_loss, tiny_gpt2
+from dp_testing import lm_batch, lm_loss, tiny_gpt2, tiny_llama
 from flax import nnx
-from test_llama import tiny_llama
 
 import jaxdp
 

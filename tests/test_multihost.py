@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 from dp_testing import assert_json_close
-from test_pretrain import REPO, cli_args, params_of, tiny_cli_overrides, tiny_config, write_tiny_corpus
+from job_testing import REPO, cli_args, params_of, tiny_cli_overrides, tiny_config
 
 from jaxdp import training
 from jaxdp.training import run_dir
@@ -67,11 +67,6 @@ def _launch(argv_of, num_processes=2, succeed=True):
         assert p.returncode in (0, 2), err[-3000:]  # a refusal is one line and status 2, never a crash
     gloo = lambda line: "peer ranks" in line  # gloo's threads log their connections to stdout, interleaved
     return [("".join(line for line in out.splitlines(keepends=True) if not gloo(line)), err) for out, err in outs]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def test_two_processes_train_as_one_with_a_broadcast_secret_root(corpus, tmp_path):

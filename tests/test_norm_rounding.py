@@ -323,7 +323,7 @@ def _bf16_step_contributions(clipping, seeds, T=12, strategy="ghost", adapter=Tr
 
     import optax
     from flax import nnx
-    from test_finetune import random_model
+    from dp_testing import random_model
 
     from jaxdp.core.losses import lm_losses
     from jaxdp.finetune import methods as finetune

@@ -10,9 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dp_testing import first_updates_fn, lm_loss, max_rel_err
+from dp_testing import (
+    CLIPPINGS,
+    EXPECTED_BATCH_SIZE,
+    RTOL,
+    first_updates_fn,
+    gpt2_case,
+    lm_loss,
+    max_rel_err,
+    reference_update,
+)
 from flax import nnx
-from test_fused_clip_reference import CLIPPINGS, EXPECTED_BATCH_SIZE, RTOL, expected_update, setup
 
 import jaxdp
 import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
@@ -30,13 +38,13 @@ def test_pallas_jit_equals_reference():
     Without remat only: remat changes how the factors are computed, not the
     norms and sums this strategy replaces (test_fused_clip_reference covers it).
     """
-    model, batch, C, _ = setup(False)
+    model, batch, C, _ = gpt2_case(False)
     txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=CLIPPINGS[c],
                             clip_fn=f, strategy="pallas") for c, f in CONFIGS]
     all_updates = first_updates_fn(lm_loss, txs)
 
     for (clipping, clip_fn), updates in zip(CONFIGS, all_updates(model, batch)):
-        err = max_rel_err(updates, expected_update(False, clipping, clip_fn))
+        err = max_rel_err(updates, reference_update(False, clipping, clip_fn))
         assert err <= RTOL, (clipping, clip_fn, err)
 
 
@@ -48,7 +56,7 @@ def test_pallas_strategy_uses_the_kernels(monkeypatch):
         original = getattr(pallas_lib, name)
         monkeypatch.setattr(pallas_lib, name,
                             lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
-    model, batch, C, _ = setup(False)
+    model, batch, C, _ = gpt2_case(False)
     _, grads = jax.eval_shape(jaxdp.per_example_grads(lm_loss), model, batch)
     jax.eval_shape(lambda g: jaxdp.clipped_aggregate(g, C, strategy="pallas"), grads)  # tracing only
     assert "linear_clipped_sum" in calls
@@ -62,7 +70,7 @@ def test_per_layer_takes_the_single_pass_kernel(monkeypatch):
     original = single_pass.linear_fused_clipped_sum
     monkeypatch.setattr(single_pass, "linear_fused_clipped_sum",
                         lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
-    model, batch, C, _ = setup(False)
+    model, batch, C, _ = gpt2_case(False)
     _, grads = jax.eval_shape(jaxdp.per_example_grads(lm_loss), model, batch)
     num_linear = sum(isinstance(m, jaxdp.core.nn.Linear) for _, m in nnx.iter_graph(model))
     jax.eval_shape(lambda g: jaxdp.clipped_aggregate(g, C, clipping="per_layer", strategy="pallas"), grads)

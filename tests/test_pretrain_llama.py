@@ -11,19 +11,14 @@ the workdir is touched.
 import json
 
 import pytest
-from test_pretrain import assert_first_metrics_equal, run_cli, tiny_config, write_tiny_corpus
+from job_testing import assert_first_metrics_equal, run_cli, tiny_config
 
 from experiments.configs import default, llama_tiny
 from jaxdp import training
 from jaxdp.models.llama import Llama
 
-# The TINY sizes of test_pretrain (1 block, width 32, 2 heads) plus Llama's own fields.
+# The TINY sizes of job_testing (1 block, width 32, 2 heads) plus Llama's own fields.
 LLAMA = {"model.n_kv_head": 1, "model.d_ff": 64}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -126,7 +126,7 @@ def user_corpus(directory, num_users=10, docs_per_user=4):
     """A jsonl of real text (State of the Union excerpts), each document tagged with its writer."""
     import gzip
 
-    from test_pretrain import CORPUS
+    from job_testing import CORPUS
     with gzip.open(CORPUS, "rt") as f:
         texts = [json.loads(line)["text"] for _, line in zip(range(4), f)]
     rows = [{"text": texts[i % 4][600 * i:600 * i + 600], "user_id": f"user{i % num_users}"}
@@ -137,7 +137,7 @@ def user_corpus(directory, num_users=10, docs_per_user=4):
 
 
 def test_user_level_job_samples_users_and_accounts_at_their_rate(tmp_path):
-    from test_pretrain import tiny_config
+    from job_testing import tiny_config
 
     from jaxdp import training
     from jaxdp.training import receipt
@@ -169,7 +169,7 @@ def test_a_public_bound_on_n_makes_the_receipt_the_same_for_neighbours(tmp_path)
     neighbours (N and N - 1 users) differed. With config.privacy.num_units_bound B they come from B: the
     receipts are equal; the sample draws over B and keeps only real units, each with probability q; a bound
     at or below N is refused."""
-    from test_pretrain import tiny_config
+    from job_testing import tiny_config
 
     from jaxdp import training
     from jaxdp.training import receipt
@@ -218,7 +218,7 @@ def test_a_public_bound_on_n_makes_the_receipt_the_same_for_neighbours(tmp_path)
     (dict(data__id_field="user_id"), "config.data.path: id_field='user_id' needs a .jsonl"),
 ])
 def test_bad_unit_config_is_rejected(tmp_path, overrides, needle):
-    from test_pretrain import tiny_config
+    from job_testing import tiny_config
 
     from jaxdp import training
     corpus = tmp_path / "book.txt"
