@@ -85,14 +85,15 @@ def _counts(B, T, P, D, itemsize):
     once (float32); tile re-reads of x and g (which L2 mostly absorbs) are not
     counted, so these are lower bounds.
     """
-    from jaxdp.clipping.norm_costs import pair_cost
+    from jaxdp.clipping.norm_costs import LayerShape, pair_cost
     from jaxdp.pallas import _common, ghost_norms, linear_norms, single_pass
 
     io = B * T * (P + D) * itemsize  # x and g read once
     out = P * D * 4  # a float32 (P, D) sum
     gemm = 2 * B * T * P * D
-    inst = pair_cost("linear", "instantiate", B=B, T=T, P=P, D=D, itemsize=itemsize, chunk_size=NORM_CHUNK)
-    ghost = pair_cost("linear", "ghost", B=B, T=T, P=P, D=D, itemsize=itemsize, chunk_size=NORM_CHUNK)
+    shape = LayerShape(B, T, P, D, itemsize)
+    inst = pair_cost("linear", "instantiate", shape, chunk_size=NORM_CHUNK)
+    ghost = pair_cost("linear", "ghost", shape, chunk_size=NORM_CHUNK)
     n_p, n_d = (math.ceil(n / _common.block(n, blk)) for n, blk in ((P, linear_norms.BLOCK_P),
                                                                     (D, linear_norms.BLOCK_D)))
     bt = _common.block(T, ghost_norms.BLOCK_T)

@@ -17,6 +17,7 @@ from absl import app, flags
 from jaxdp.clipping import device_rates
 from jaxdp.clipping.norm_costs import (
     DEFAULT_MEMORY_BUDGET_BYTES,
+    LayerShape,
     choose_method,
     linear_layer_cost,
     pair_cost,
@@ -50,15 +51,16 @@ def main(argv):
         config = GPT2Config.preset(name)
         for T in (128, 1024, 4096):
             for layer, kind, P, D in layer_shapes(config):
-                kw = dict(B=B, T=T, P=P, D=D, itemsize=s, chunk_size=k)
-                ghost, inst = (pair_cost(kind, m, **kw) for m in ("ghost", "instantiate"))
-                pick = choose_method(kind, **kw, rates=rates if kind == "linear" else None)
+                shape = LayerShape(B, T, P, D, itemsize=s)
+                ghost, inst = (pair_cost(kind, m, shape, chunk_size=k) for m in ("ghost", "instantiate"))
+                pick = choose_method(kind, shape, chunk_size=k, rates=rates if kind == "linear" else None)
                 row = f"| {name} | {T} | {layer} | {P} x {D} | "
                 if kind == "linear":
-                    costs = {m: linear_layer_cost(m, **kw) for m in ("ghost", "instantiate", "store")}
+                    costs = {m: linear_layer_cost(m, shape, chunk_size=k)
+                             for m in ("ghost", "instantiate", "store")}
                     us = " / ".join(f"{rates.seconds(c.flops, c.bytes_moved, 'bfloat16' if s == 2 else 'float32') * 1e6:.0f}"
                                     for c in costs.values())
-                    stored = "yes" if plan_stored({0: (B, T, P, D, s)}, rates, chunk_size=k) else "no"
+                    stored = "yes" if plan_stored({0: shape}, rates, chunk_size=k) else "no"
                     row += (f"{2 * B * T * P * D / 1e9:.1f} | {ghost.flops / 1e9:.1f} | {inst.flops / 1e9:.1f} | "
                             f"{us} | {costs['store'].scratch_bytes / 1e6:.0f} | {pick} | {stored} |")
                 else:

@@ -152,22 +152,39 @@ def test_accounting_bad_delta():
 
 
 def test_auto_strategy_follows_cost_model():
-    from jaxdp.clipping.norm_costs import choose_method
+    from jaxdp.clipping.norm_costs import LayerShape, choose_method
     # fastDP's rule where memory allows: ghost iff 2 T^2 < P D.
-    assert choose_method("linear", B=8, T=128, P=768, D=3072) == "ghost"
-    assert choose_method("linear", B=8, T=4096, P=768, D=3072) == "instantiate"
+    assert choose_method("linear", LayerShape(B=8, T=128, P=768, D=3072)) == "ghost"
+    assert choose_method("linear", LayerShape(B=8, T=4096, P=768, D=3072)) == "instantiate"
     # The memory budget overrides FLOPs: the tied GPT-2 head at T = 4096 would instantiate
     # 8 x 50257 x 768 floats (1.2 GB) per chunk; ghost's Grams take 1 GiB.
-    assert choose_method("linear", B=8, T=4096, P=50257, D=768) == "ghost"
-    assert choose_method("linear", B=8, T=4096, P=50257, D=768, memory_budget_bytes=1 << 32) == "instantiate"
-    assert choose_method("embed", B=8, T=1024, P=50257, D=768) == "instantiate"
+    head = LayerShape(B=8, T=4096, P=50257, D=768)
+    assert choose_method("linear", head) == "ghost"
+    assert choose_method("linear", head, memory_budget_bytes=1 << 32) == "instantiate"
+    assert choose_method("embed", LayerShape(B=8, T=1024, P=50257, D=768)) == "instantiate"
+
+
+def test_the_cost_model_takes_its_old_shape_keywords_for_one_release():
+    from jaxdp.clipping.norm_costs import LayerShape, choose_method, linear_layer_cost, pair_cost
+    shape = LayerShape(B=8, T=128, P=768, D=3072, itemsize=2, S=64)
+    with pytest.warns(DeprecationWarning, match=r"shape=LayerShape\(B=\.\.\., T=\.\.\."):
+        old = pair_cost("linear", "ghost", B=8, T=128, P=768, D=3072, S=64, itemsize=2, chunk_size=4)
+    assert old == pair_cost("linear", "ghost", shape, chunk_size=4)
+    assert old != pair_cost("linear", "ghost", shape._replace(S=None), chunk_size=4)  # S is read
+    with pytest.warns(DeprecationWarning):
+        assert choose_method("linear", B=8, T=4096, P=768, D=3072) == "instantiate"
+    with pytest.warns(DeprecationWarning):
+        assert linear_layer_cost("store", B=4, T=16, P=8, D=8, itemsize=2) == linear_layer_cost(
+            "store", LayerShape(4, 16, 8, 8, 2))
+    with pytest.raises(TypeError, match="together"):
+        pair_cost("linear", "ghost", shape=shape, B=8)
 
 
 def test_auto_stores_per_example_gradients_where_faster():
     """With H100 rates, GPT-2 small's block layers keep G_b at T = 1024 (the clipped-sum GEMM is
     skipped), not at T = 128 (ghost norms are cheaper than writing G_b); the budget caps the total."""
     from jaxdp.clipping import device_rates
-    from jaxdp.clipping.norm_costs import linear_layer_cost, plan_stored
+    from jaxdp.clipping.norm_costs import LayerShape, linear_layer_cost, plan_stored
     d = 768
     layers = {"c_attn": (d, 3 * d), "c_proj": (d, d), "c_fc": (d, 4 * d), "mlp_proj": (4 * d, d)}
     h100 = device_rates.H100
@@ -177,14 +194,14 @@ def test_auto_stores_per_example_gradients_where_faster():
 
     assert plan_stored(shapes(4, 1024), h100) == set(layers)
     assert plan_stored(shapes(8, 128), h100) == set()
-    held = {name: linear_layer_cost("store", B=4, T=1024, P=P, D=D, itemsize=2).scratch_bytes
+    held = {name: linear_layer_cost("store", LayerShape(B=4, T=1024, P=P, D=D, itemsize=2)).scratch_bytes
             for name, (P, D) in layers.items()}
     assert plan_stored(shapes(4, 1024), h100, memory_budget_bytes=min(held.values()) - 1) == set()
     one = plan_stored(shapes(4, 1024), h100, memory_budget_bytes=max(held.values()))
     assert len(one) == 1 or sum(held[n] for n in one) <= max(held.values())
     # Storing skips the clipped-sum GEMM: 2 B T P D FLOPs fewer than instantiate.
-    kw = dict(B=4, T=1024, P=d, D=4 * d, itemsize=2)
-    saved = linear_layer_cost("instantiate", **kw).flops - linear_layer_cost("store", **kw).flops
+    shape = LayerShape(B=4, T=1024, P=d, D=4 * d, itemsize=2)
+    saved = linear_layer_cost("instantiate", shape).flops - linear_layer_cost("store", shape).flops
     assert saved == 2 * 4 * 1024 * d * 4 * d - 2 * 4 * d * 4 * d
 
 

@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdp.clipping import device_rates
-from jaxdp.clipping.norm_costs import DEFAULT_CHUNK_SIZE, DEFAULT_MEMORY_BUDGET_BYTES, choose_method
+from jaxdp.clipping.norm_costs import DEFAULT_CHUNK_SIZE, DEFAULT_MEMORY_BUDGET_BYTES, LayerShape, choose_method
 from jaxdp.core.terms import DenseTerm, EmbedTerm, FactoredGrad, LinearTerm, Term, lookup
 
 STRATEGIES = ("ghost", "instantiate", "store", "auto", "pallas")
@@ -182,17 +182,16 @@ def _method(strategy, kind, a, b, chunk_size, memory_budget_bytes):
         return strategy
     if kind == "linear":
         B, T, P = a.x_BTP.shape
-        return choose_method(kind, B=B, T=T, P=P, D=a.g_BTD.shape[-1], S=b.x_BTP.shape[1],
-                             itemsize=a.x_BTP.dtype.itemsize, chunk_size=chunk_size,
-                             memory_budget_bytes=memory_budget_bytes, rates=device_rates.current())
+        shape = LayerShape(B, T, P, a.g_BTD.shape[-1], a.x_BTP.dtype.itemsize, S=b.x_BTP.shape[1])
+        return choose_method(kind, shape, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes,
+                             rates=device_rates.current())
     if kind == "embed":
         B, T, D = a.g_BTD.shape
-        return choose_method(kind, B=B, T=T, P=a.num_embeddings, D=D, S=b.g_BTD.shape[1],
-                             chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes)
+        shape = LayerShape(B, T, a.num_embeddings, D, S=b.g_BTD.shape[1])
+        return choose_method(kind, shape, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes)
     B, T, P = a.x_BTP.shape
-    return choose_method(kind, B=B, T=T, P=P, D=a.g_BTD.shape[-1], S=b.g_BTD.shape[1],
-                         itemsize=a.x_BTP.dtype.itemsize, chunk_size=chunk_size,
-                         memory_budget_bytes=memory_budget_bytes)
+    shape = LayerShape(B, T, P, a.g_BTD.shape[-1], a.x_BTP.dtype.itemsize, S=b.g_BTD.shape[1])
+    return choose_method(kind, shape, chunk_size=chunk_size, memory_budget_bytes=memory_budget_bytes)
 
 
 def storable(grad: FactoredGrad) -> LinearTerm | None:
