@@ -11,6 +11,7 @@ import pytest
 from jaxdp import pallas as jp
 from jaxdp.clipping.rules import SENSITIVITY_FACTOR
 from jaxdp.pallas import _common
+from jaxdp.pallas.single_pass import SinglePassConfig
 
 RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 # (B, T, P, D): one tile-aligned case and one with every size odd (masking inside the kernels).
@@ -42,8 +43,11 @@ KERNELS = {
     "fused_clipped_sum": (
         functools.partial(jp.linear_fused_clipped_sum, clip_factors_fn=clip_factors, chunk_size=2),
         functools.partial(jp.linear_fused_clipped_sum_reference, clip_factors_fn=clip_factors),
-        lambda x, g, c: (x, g), dict(block_t=16, block_p=16, block_d=16)),
+        lambda x, g, c: (x, g), dict(config=SinglePassConfig(block_t=16, block_p=16, block_d=16))),
 }
+# The keywords that make each op lower for Triton, not run in the interpreter.
+COMPILED = {name: dict(interpret=False) for name in KERNELS} | {
+    "fused_clipped_sum": dict(config=SinglePassConfig(interpret=False))}
 
 
 def rel_err(actual, expected):
@@ -69,7 +73,7 @@ def test_default_blocks_and_bf16_scratch():
     x, g, c = inputs((2, 70, 80, 66), jnp.float32, seed=9)
     assert rel_err(jp.linear_sq_norms(x, g), jp.linear_sq_norms_reference(x, g)) <= 1e-5
     assert rel_err(jp.linear_clipped_sum(x, g, c), jp.linear_clipped_sum_reference(x, g, c)) <= 1e-5
-    out = jp.linear_fused_clipped_sum(x, g, clip_factors, scratch_dtype=jnp.bfloat16)
+    out = jp.linear_fused_clipped_sum(x, g, clip_factors, config=SinglePassConfig(scratch_dtype=jnp.bfloat16))
     assert rel_err(out, jp.linear_fused_clipped_sum_reference(x, g, clip_factors)) <= 1e-2
 
 
@@ -80,7 +84,8 @@ def test_bf16_scratch_clips_what_it_sums():
     g = jnp.full((1, 1, 24), 1 + 0.6 * 2.0 ** -7, jnp.float32)
     C = 1.0
     out, _ = jp.linear_fused_clipped_sum(x, g, lambda sq: jnp.minimum(1.0, C / jnp.sqrt(sq)),
-                                         scratch_dtype=jnp.bfloat16, block_p=16, block_d=16)
+                                         config=SinglePassConfig(block_p=16, block_d=16,
+                                                                 scratch_dtype=jnp.bfloat16))
     # within the float32 rounding the noise allows for (a sum of 960 equal squares: ~3e-6 here), not 3e-3
     assert float(np.linalg.norm(np.asarray(out, np.float64))) <= C * SENSITIVITY_FACTOR
 
@@ -129,13 +134,32 @@ def test_lowers_for_cuda(kernel, dtype):
     op, _, args_of, _ = KERNELS[kernel]
     x, g, c = inputs(SHAPES["odd"], dtype, seed=0)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args_of(x, g, c)]
-    lowered = jax.jit(functools.partial(op, interpret=False)).trace(*specs).lower(lowering_platforms=("cuda",))
+    lowered = jax.jit(functools.partial(op, **COMPILED[kernel])).trace(*specs).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
 
 
 def test_lowering_rejects_bad_blocks():
     with pytest.raises(ValueError, match="powers of two"):
         jp.linear_sq_norms(*inputs(SHAPES["odd"], jnp.float32, seed=0)[:2], block_t=24)
+
+
+def test_the_single_pass_takes_its_old_launch_keywords_for_one_release():
+    """`block_t=`, ..., `scratch_dtype=` give the same sums as the `SinglePassConfig` that replaced them, with a
+    DeprecationWarning; a bad setting is refused by name where the config is built."""
+    x, g, _ = inputs(SHAPES["odd"], jnp.float32, seed=10)
+    config = SinglePassConfig(block_t=16, block_p=32, block_d=16, scratch_dtype=jnp.bfloat16)
+    with pytest.warns(DeprecationWarning, match=r"config=SinglePassConfig\(block_t=\.\.\."):
+        old = jp.linear_fused_clipped_sum(x, g, clip_factors, block_t=16, block_p=32, block_d=16,
+                                          scratch_dtype=jnp.bfloat16)
+    new = jp.linear_fused_clipped_sum(x, g, clip_factors, config=config)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), old, new)
+    exact = jp.linear_fused_clipped_sum(x, g, clip_factors, config=SinglePassConfig(block_t=16, block_p=32, block_d=16))
+    assert not np.array_equal(np.asarray(exact[0]), np.asarray(new[0]))  # the setting does reach the kernel
+    with pytest.raises(TypeError, match="together"):
+        jp.linear_fused_clipped_sum(x, g, clip_factors, config=config, num_warps=8)
+    for field, value in (("block_p", 24), ("scratch_dtype", jnp.int32), ("num_warps", 0), ("interpret", "yes")):
+        with pytest.raises((ValueError, TypeError), match=field):
+            SinglePassConfig(**{field: value})
 
 
 def test_interpret_resolves_to_cpu():

@@ -37,24 +37,66 @@ costs 4 B T P D FLOPs and no scratch. The single pass saves 2 B T P D FLOPs
 (time 2 B T P D / R at matmul rate R) and moves 2 B P D s more bytes (time
 2 B P D s / W at bandwidth W): it wins when T > s R / W, with R and W the
 device's row of `jaxdp.clipping.device_rates` (a prediction; the crossing for an H100
-is in WORKSPACE.md). `scratch_dtype=jnp.bfloat16` halves s and so the
-crossing, but rounds G_b before scaling.
+is in WORKSPACE.md). `SinglePassConfig(scratch_dtype=jnp.bfloat16)` halves s and so
+the crossing, but rounds G_b before scaling.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxdp._keywords import old_keywords
 from jaxdp.pallas import _common
 
 BLOCK_T, BLOCK_P, BLOCK_D = 64, 64, 64
 DEFAULT_CHUNK_SIZE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SinglePassConfig:
+    """How the single pass is tiled and launched; no effect on what it computes beyond rounding.
+
+    Attributes:
+      block_t, block_p, block_d: preferred tile edges along T, P and D (powers of two >= 16; a smaller
+        dimension takes the smallest power of two covering it, `jaxdp.pallas._common.block`).
+      scratch_dtype: of the G_b tiles between the two launches: float32 (exact) or bfloat16 (half the
+        scratch bytes; the norm is of the rounded tiles the sum reads).
+      interpret: run in the Pallas interpreter; None: exactly on a CPU backend (`_common.resolve_interpret`).
+      num_warps: Triton warps per program.
+    """
+    block_t: int = BLOCK_T
+    block_p: int = BLOCK_P
+    block_d: int = BLOCK_D
+    scratch_dtype: Any = jnp.float32
+    interpret: bool | None = None
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_t", "block_p", "block_d"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < _common.MIN_BLOCK or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= {_common.MIN_BLOCK}, got {value!r}")
+        if not jnp.issubdtype(self.scratch_dtype, jnp.floating):
+            raise ValueError(f"scratch_dtype must be a float dtype (float32 or bfloat16), got {self.scratch_dtype!r}")
+        if self.interpret is not None and not isinstance(self.interpret, bool):
+            raise TypeError(f"interpret must be None, True or False, got {self.interpret!r}")
+        if not isinstance(self.num_warps, int) or self.num_warps < 1:
+            raise ValueError(f"num_warps must be an integer >= 1, got {self.num_warps!r}")
+
+
+class _Chunk(NamedTuple):
+    """Examples b0 .. b0 + E - 1 of one launch pair, with their slices of the per-example inputs."""
+    b0: int
+    E: int
+    extra_sq_E: jax.Array | None  # the group's other parameters' squared norms
+    args_E: tuple                 # `factor_args_B`'s slices
 
 
 def _tiles_kernel(x_ref, g_ref, tile_ref, partial_ref, *, bt, bp, bd):
@@ -76,15 +118,17 @@ def _scaled_tile_sum_kernel(tiles_ref, c_ref, acc_ref, out_ref):
     out_ref[...] = lax.fori_loop(0, tiles_ref.shape[0], body, acc_ref[...])
 
 
-def _chunk_pallas(x_BTP, g_BTD, b0, E, acc_PD, clip_factors_fn, extra_sq_E, args_E, *, bt, bp, bd,
-                  scratch_dtype, interpret, num_warps):
+def _chunk_pallas(x_BTP, g_BTD, acc_PD, chunk: _Chunk, clip_factors_fn, launch: SinglePassConfig):
+    # `launch`: the blocks as resolved for this shape, `interpret` resolved.
     _, T, P = x_BTP.shape
     D = g_BTD.shape[-1]
+    b0, E, extra_sq_E, args_E = chunk
+    bt, bp, bd, interpret = launch.block_t, launch.block_p, launch.block_d, launch.interpret
     nP, nD = acc_PD.shape[0] // bp, acc_PD.shape[1] // bd
-    params = _common.compiler_params(num_warps=num_warps)
+    params = _common.compiler_params(num_warps=launch.num_warps)
     tiles, partials = pl.pallas_call(
         functools.partial(_tiles_kernel, bt=bt, bp=bp, bd=bd),
-        out_shape=(_common.out_struct((E, nP * bp, nD * bd), scratch_dtype, x_BTP, g_BTD),
+        out_shape=(_common.out_struct((E, nP * bp, nD * bd), launch.scratch_dtype, x_BTP, g_BTD),
                    _common.out_struct((E, nP, nD), jnp.float32, x_BTP, g_BTD)),
         grid=(E, nP, nD),
         in_specs=[pl.BlockSpec((None, T, P), lambda e, i, j: (b0 + e, 0, 0)),
@@ -110,13 +154,12 @@ def _chunk_pallas(x_BTP, g_BTD, b0, E, acc_PD, clip_factors_fn, extra_sq_E, args
     return acc_PD, sq_E
 
 
+@old_keywords(config=(SinglePassConfig, tuple(f.name for f in dataclasses.fields(SinglePassConfig))))
 def linear_fused_clipped_sum(x_BTP: jax.Array, g_BTD: jax.Array,
                              clip_factors_fn: Callable[[jax.Array], jax.Array], *,
                              extra_sq_norms_B: jax.Array | None = None, factor_args_B: tuple = (),
                              chunk_size: int = DEFAULT_CHUNK_SIZE,
-                             block_t: int = BLOCK_T, block_p: int = BLOCK_P, block_d: int = BLOCK_D,
-                             scratch_dtype=jnp.float32, interpret: bool | None = None,
-                             num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
+                             config: SinglePassConfig = SinglePassConfig()) -> tuple[jax.Array, jax.Array]:
     """Per-layer clipped sum in one pass over the per-example gradient tiles.
 
     Args:
@@ -129,26 +172,30 @@ def linear_fused_clipped_sum(x_BTP: jax.Array, g_BTD: jax.Array,
       factor_args_B: further per-example arrays (B, ...); each chunk calls
         `clip_factors_fn(group_sq_E, *[a[chunk] for a in factor_args_B])`.
       chunk_size: E, examples whose tiles share the bounded scratch (E P D floats).
-      scratch_dtype: float32 (exact) or bfloat16 (half the scratch bytes).
+      config: tiles, scratch dtype and launch (`SinglePassConfig`). The keywords it replaced (`block_t=`,
+        `block_p=`, `block_d=`, `scratch_dtype=`, `interpret=`, `num_warps=`) are still accepted for one
+        release, with a DeprecationWarning.
 
     Returns:
       (sum_b c_b x_b^T g_b of shape (P, D) float32, this layer's squared norms (B,) float32).
     """
     B, T, P = x_BTP.shape
     D = g_BTD.shape[-1]
-    bt, bp, bd = _common.block(T, block_t), _common.block(P, block_p), _common.block(D, block_d)
+    if not isinstance(config, SinglePassConfig):
+        raise TypeError(f"config must be a SinglePassConfig, got {type(config).__name__}: {config!r}")
+    launch = dataclasses.replace(config, block_t=_common.block(T, config.block_t),
+                                 block_p=_common.block(P, config.block_p), block_d=_common.block(D, config.block_d),
+                                 interpret=_common.resolve_interpret(config.interpret))
     dt = _common.compute_dtype(x_BTP, g_BTD)
     x_BTP, g_BTD = x_BTP.astype(dt), g_BTD.astype(dt)
-    acc_PD = _common.zeros_varying_like((pl.cdiv(P, bp) * bp, pl.cdiv(D, bd) * bd), jnp.float32, x_BTP, g_BTD)
-    interpret = _common.resolve_interpret(interpret)
+    acc_PD = _common.zeros_varying_like((pl.cdiv(P, launch.block_p) * launch.block_p,
+                                         pl.cdiv(D, launch.block_d) * launch.block_d), jnp.float32, x_BTP, g_BTD)
     sq = []
     for b0 in range(0, B, chunk_size):  # static chunks: ceil(B / E) launch pairs
         E = min(chunk_size, B - b0)
         extra = None if extra_sq_norms_B is None else _common.f32(extra_sq_norms_B)[b0:b0 + E]
-        args = tuple(a[b0:b0 + E] for a in factor_args_B)
-        acc_PD, sq_E = _chunk_pallas(x_BTP, g_BTD, b0, E, acc_PD, clip_factors_fn, extra, args,
-                                     bt=bt, bp=bp, bd=bd, scratch_dtype=scratch_dtype,
-                                     interpret=interpret, num_warps=num_warps)
+        chunk = _Chunk(b0, E, extra, tuple(a[b0:b0 + E] for a in factor_args_B))
+        acc_PD, sq_E = _chunk_pallas(x_BTP, g_BTD, acc_PD, chunk, clip_factors_fn, launch)
         sq.append(sq_E)
     return acc_PD[:P, :D], jnp.concatenate(sq)
 
