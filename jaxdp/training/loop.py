@@ -24,6 +24,7 @@ import math
 import os
 import pathlib
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -100,9 +101,10 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         _open_run_dir(p, verbose)  # from here on the workdir is written
     processes.barrier("jaxdp: run dir open")  # made for the owner alone before another process's orbax would create it
     model, optimizer, tracker = _build(config, p)
-    checkpointer = Checkpointer(p.workdir / CHECKPOINT_DIR)
-    clock = _Throughput()
-    start, rows, tracker = _restore_or_evaluate(config, p, model, optimizer, tracker, checkpointer, clock, verbose)
+    run = _Run(config, p, model, optimizer, tracker, Checkpointer(p.workdir / CHECKPOINT_DIR), _Throughput(), verbose)
+    start, rows, tracker = _restore_or_evaluate(run)
+    run = dataclasses.replace(run, tracker=tracker)
+    clock = run.clock
     initial_val_loss = rows[0]["val_loss"]
 
     sharded = ShardedTrainer(config, model, optimizer, p.noise_multiplier) if runs_sharded_step(config) else None
@@ -115,21 +117,21 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     try:
         for step in range(start, config.steps):
             if tracker is not None and not tracker.can_step():
-                stop_reason = _budget_stop_reason(config, p, tracker, step)
+                stop_reason = _budget_stop_reason(run, step)
                 break
-            window_losses.append(_logical_step(config, p, step, step_fn, model, optimizer, tracker, clock, verbose))
+            window_losses.append(_logical_step(run, step, step_fn))
             n = step + 1
             in_flight.dispatched(n, window_losses[-1][0])
             if sharded is not None and (n % config.log_every == 0 or n == config.steps
                                         or n == interrupt_after):
                 sharded.sync()  # the host-side model / optimizer used by eval and checkpoints
             if n % config.log_every == 0 or n == config.steps:
-                last_row = _log_row(config, p, n, model, tracker, window_losses, clock, metrics_f)
+                last_row = _log_row(run, n, window_losses, metrics_f)
                 rows.append(last_row)
                 window_losses = []
             if n % config.checkpoint_every == 0 and n != config.steps:
                 t_save = time.perf_counter()
-                checkpointer.save(n, model, optimizer, _meta(n, tracker, p, clock))
+                run.checkpointer.save(n, model, optimizer, _meta(run, n))
                 clock.pause_since(t_save)
                 saved = n
             # every step: the last finished step (values as last logged)
@@ -150,10 +152,10 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     last = step if stop_reason else config.steps
     if stop_reason:
         log(stop_reason, verbose)
-    _evaluate_and_save_final(config, p, model, optimizer, tracker, checkpointer, rows, last, clock)
-    summary = _summary(config, p, model, tracker, rows, last, stop_reason, initial_val_loss, clock)
+    _evaluate_and_save_final(run, rows, last)
+    summary = _summary(run, rows, last, stop_reason, initial_val_loss)
     if hosts.writes_run_dir():
-        _write_outputs(config, p, model, rows, summary, last)
+        _write_outputs(run, rows, summary, last)
     processes.barrier("jaxdp: outputs written")  # every process returns once the run's files are there
     return summary
 
@@ -226,6 +228,20 @@ class _Throughput:
             self.measure(time.perf_counter())
 
 
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What the loop's steps share: the config, what `prepare` resolved from it, the model and its optimizer,
+    the privacy accountant (None: non-DP), the checkpoints, the throughput clock and whether to report."""
+    config: Any
+    p: Prepared
+    model: nnx.Module
+    optimizer: nnx.Optimizer
+    tracker: BudgetTracker | None
+    checkpointer: Checkpointer
+    clock: _Throughput
+    verbose: bool
+
+
 def _open_run_dir(p: Prepared, verbose: bool) -> None:
     """The run directory with the run's config, tokenizer and token-cache record, and its checkpoints/
     directory."""
@@ -263,23 +279,23 @@ def _build(config, p: Prepared):
     return model, optimizer, tracker
 
 
-def _restore_or_evaluate(config, p: Prepared, model, optimizer, tracker, checkpointer, clock: _Throughput,
-                         verbose: bool):
-    """(first step, metrics rows up to it, accountant): the latest checkpoint restored into `model` and
-    `optimizer`, or the untrained model evaluated as step 0; `metrics.jsonl` rewritten to those rows."""
-    start = checkpointer.latest_step() or 0
+def _restore_or_evaluate(run: _Run):
+    """(first step, metrics rows up to it, accountant): the latest checkpoint restored into the model and
+    optimizer, or the untrained model evaluated as step 0; `metrics.jsonl` rewritten to those rows."""
+    config, p, tracker = run.config, run.p, run.tracker
+    start = run.checkpointer.latest_step() or 0
     rows = read_metrics(p.workdir)
     if start:
-        meta = checkpointer.restore(start, model, optimizer)
-        clock.resume(meta.get("throughput"))
+        meta = run.checkpointer.restore(start, run.model, run.optimizer)
+        run.clock.resume(meta.get("throughput"))
         if tracker is not None:
             tracker = BudgetTracker.from_state_dict(meta["accountant"])
-        log(f"resuming {p.workdir} from the checkpoint at step {start}", verbose)
+        log(f"resuming {p.workdir} from the checkpoint at step {start}", run.verbose)
     rows = [r for r in rows if r["step"] <= start]
     if start == 0:
         with Ticker(f"step 0: evaluating the untrained model on {len(p.eval_indices)} validation windows",
-                    verbose) as t:
-            val_loss = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)
+                    run.verbose) as t:
+            val_loss = evaluate(run.model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)
             t.set(f": validation loss {val_loss:.4f}")
         rows = [{"step": 0, "train_loss": None, "epsilon": 0.0 if config.dp.enabled else None,
                  "val_loss": val_loss}]
@@ -298,20 +314,21 @@ def _step_fn(config, p: Prepared, sharded):
     return lambda model, optimizer, batch: sharded(batch)
 
 
-def _budget_stop_reason(config, p: Prepared, tracker, step: int) -> str:
+def _budget_stop_reason(run: _Run, step: int) -> str:
+    p = run.p
     return (f"privacy budget: stopping before step {step + 1}, which would spend "
-            f"epsilon > target_epsilon = {config.dp.target_epsilon:g} at delta = "
+            f"epsilon > target_epsilon = {run.config.dp.target_epsilon:g} at delta = "
             f"{p.delta:.3g} ({p.delta_mechanism:.3g} for the mechanism + the sampling "
-            f"slack; the budget allows {tracker.max_steps} steps)")
+            f"slack; the budget allows {run.tracker.max_steps} steps)")
 
 
-def _logical_step(config, p: Prepared, step: int, step_fn, model, optimizer, tracker, clock: _Throughput,
-                  verbose: bool):
+def _logical_step(run: _Run, step: int, step_fn):
     """One logical step: the Poisson sample of `step`, its micro-batches, the accountant's step.
 
     Returns (the micro-batches' losses as device scalars, the windows sampled). The first
     step of the process compiles: it is timed alone and starts the throughput clock.
     """
+    config, p, clock = run.config, run.p, run.clock
     dp, k = config.dp.enabled, p.accumulation_steps
     k_unit = config.privacy.windows_per_unit  # windows per sampled unit (1: the unit is a window)
     indices, mask = p.sample(step)
@@ -323,18 +340,18 @@ def _logical_step(config, p: Prepared, step: int, step_fn, model, optimizer, tra
     mb = p.sampler.max_batch_size // k * k_unit  # windows per micro-batch: whole units
     first = clock.t_first is None
     compiling = Ticker(f"compiling and running the first {'DP' if dp else 'non-DP'} step (micro-batch {mb} "
-                       f"windows, {k} per step)", verbose) if first else contextlib.nullcontext()
+                       f"windows, {k} per step)", run.verbose) if first else contextlib.nullcontext()
     with compiling:
         micro_losses = []  # device scalars: no host sync per micro-batch
         for j in range(k):
             batch = {"tokens": tokens[j * mb:(j + 1) * mb], "mask": mask[j * mb:(j + 1) * mb]}
             if not dp:
                 batch["divisor"] = np.float32(max(count, 1))
-            micro_losses.append(step_fn(model, optimizer, batch))
+            micro_losses.append(step_fn(run.model, run.optimizer, batch))
         if first:
             jax.block_until_ready(micro_losses)
-    if tracker is not None:
-        tracker.step()
+    if run.tracker is not None:
+        run.tracker.step()
     if first:
         clock.t_first = time.perf_counter()  # after the first (compiling) step
     else:
@@ -342,9 +359,10 @@ def _logical_step(config, p: Prepared, step: int, step_fn, model, optimizer, tra
     return micro_losses, count
 
 
-def _log_row(config, p: Prepared, n: int, model, tracker, window_losses, clock: _Throughput, metrics_f) -> dict:
+def _log_row(run: _Run, n: int, window_losses, metrics_f) -> dict:
     """The metrics row of step `n` (train loss over the steps since the last row; validation loss every
     eval_every steps), appended to `metrics_f`; its time counted as a pause."""
+    config, p, tracker, clock = run.config, run.p, run.tracker, run.clock
     train_loss = float(np.mean([sum(float(x) for x in losses) / max(c, 1)
                                 for losses, c in window_losses]))  # syncs
     t_log = time.perf_counter()
@@ -352,34 +370,34 @@ def _log_row(config, p: Prepared, n: int, model, tracker, window_losses, clock: 
     eps = tracker.epsilon() if tracker is not None else None
     row = {"step": n, "train_loss": train_loss, "epsilon": eps}
     if n % config.eval_every == 0 or n == config.steps:
-        row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)
+        row["val_loss"] = evaluate(run.model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)
     metrics_f.write(json.dumps(row) + "\n")
     metrics_f.flush()
     clock.pause_since(t_log)
     return row
 
 
-def _evaluate_and_save_final(config, p: Prepared, model, optimizer, tracker, checkpointer, rows, last: int,
-                             clock: _Throughput):
+def _evaluate_and_save_final(run: _Run, rows, last: int):
     """The final state evaluated (budget stop, or a run that was already complete) and checkpointed at
     step `last`, unless it already is."""
+    p, tracker, checkpointer = run.p, run.tracker, run.checkpointer
     if not rows or rows[-1]["step"] != last or "val_loss" not in rows[-1]:
         row = rows[-1] if rows and rows[-1]["step"] == last else {
             "step": last, "train_loss": None,
             "epsilon": tracker.epsilon() if tracker is not None else None}
-        row["val_loss"] = evaluate(model, p.valid, p.eval_indices, config.eval_batch_size, p.loss_fn)
+        row["val_loss"] = evaluate(run.model, p.valid, p.eval_indices, run.config.eval_batch_size, p.loss_fn)
         if not rows or rows[-1] is not row:
             rows.append(row)
         if hosts.writes_run_dir():
             write_metrics(p.workdir, rows)
     if checkpointer.latest_step() != last:
-        checkpointer.save(last, model, optimizer, _meta(last, tracker, p, clock))
+        checkpointer.save(last, run.model, run.optimizer, _meta(run, last))
     checkpointer.close()
 
 
-def _summary(config, p: Prepared, model, tracker, rows, last: int, stop_reason, initial_val_loss,
-             clock: _Throughput) -> dict:
+def _summary(run: _Run, rows, last: int, stop_reason, initial_val_loss) -> dict:
     """The run's summary.json: losses, the privacy guarantee and how it was sampled, model and throughput."""
+    config, p, tracker = run.config, run.p, run.tracker
     dp, k, sampler = config.dp.enabled, p.accumulation_steps, p.sampler
     final = rows[-1]
     train_losses = [r["train_loss"] for r in rows if r.get("train_loss") is not None]
@@ -417,17 +435,18 @@ def _summary(config, p: Prepared, model, tracker, rows, last: int, stop_reason, 
         "num_units_bound": config.privacy.num_units_bound,  # None: q, sigma, max batch and delta follow from N
         "windows_per_unit": config.privacy.windows_per_unit,
         "model": config.model.family,
-        "num_params": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
+        "num_params": sum(x.size for x in jax.tree.leaves(nnx.state(run.model, nnx.Param))),
         "tokenizer": p.tokenizer.name,
         "vocab_size": p.tokenizer.vocab_size,
-        "tokens_per_s": clock.tokens_per_s or (previous or {}).get("tokens_per_s"),  # every process of the run
+        "tokens_per_s": run.clock.tokens_per_s or (previous or {}).get("tokens_per_s"),  # every process of the run
         "overflowed_steps_this_process": sampler.overflow_count,
     }
 
 
-def _write_outputs(config, p: Prepared, model, rows, summary: dict, last: int) -> None:
+def _write_outputs(run: _Run, rows, summary: dict, last: int) -> None:
     """The privacy receipt, the plots, the model, the samples and, last (it marks a finished run: a rerun
     then rewrites nothing), the summary, in the run directory."""
+    config, p, model = run.config, run.p, run.model
     dp, workdir = config.dp.enabled, p.workdir
     write_privacy_receipt(workdir, privacy_receipt(config, p, steps=last, epsilon=summary["epsilon"] if dp else None,
                                                    overflowed_steps=p.sampler.overflow_count))
@@ -439,11 +458,12 @@ def _write_outputs(config, p: Prepared, model, rows, summary: dict, last: int) -
     write_text_atomic(workdir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
 
 
-def _meta(step: int, tracker, p: Prepared, clock: _Throughput) -> dict:
+def _meta(run: _Run, step: int) -> dict:
     """The checkpoint's JSON: the private part of the run directory, the only place of the root seed."""
+    p, tracker = run.p, run.tracker
     return {"step": step, "accountant": tracker.state_dict() if tracker is not None else None,
             "root_seed": p.root_seed, "seed_pinned": p.seed_pinned, "mechanism": mechanism(p),
-            "throughput": clock.totals()}
+            "throughput": run.clock.totals()}
 
 
 def _finished_summary(config, p: Prepared) -> dict | None:
