@@ -47,7 +47,6 @@ from jaxdp.sampling.poisson import DEFAULT_MAX_OVERFLOW_PROBABILITY, KeyStream, 
 
 PARTITION_DOMAIN = "cyclic_partition"  # derive_seed(seed, PARTITION_DOMAIN): the stream of the partition
 _DOMAIN = "cyclic_poisson"  # derive_seed(seed, _DOMAIN, step, attempt): the stream of one draw
-_MAX_RESAMPLE_ATTEMPTS = 1000
 
 
 def partition(seed: int, num_units: int, groups: int) -> np.ndarray:
@@ -116,7 +115,7 @@ class CyclicPoissonSampler(PoissonSampler):
     def group_of_step(self, step: int) -> int:
         return operator.index(step) % self.cycle_length
 
-    def _binomial(self, rng: KeyStream, n: int) -> int:
+    def _size(self, rng: KeyStream, n: int) -> int:
         """Binomial(n, q_b) as `KeyStream.binomial`, its thresholds kept per group size (b may exceed the
         binomial module's cache)."""
         q = self.group_sampling_probability
@@ -128,23 +127,11 @@ class CyclicPoissonSampler(PoissonSampler):
         high, low = (int(w) for w in rng.words64(2))
         return lo + bisect.bisect_right(th, (high << 64) | low)
 
-    def _draw(self, step: int) -> tuple[np.ndarray, bool]:
-        members = self._members[self.group_of_step(step)]
-        n, b = members.size, self.max_batch_size
-        for attempt in range(_MAX_RESAMPLE_ATTEMPTS):
-            rng = KeyStream(seeds.derive_seed(self.seed, _DOMAIN, step, attempt))
-            size = self._binomial(rng, n)
-            chosen = members[rng.subset(n, size)]
-            if size <= b:
-                return chosen, attempt > 0
-            if self.overflow == "truncate":
-                return chosen[rng.subset(size, b)], True
-            if self.overflow == "error":
-                raise RuntimeError(
-                    f"cyclic Poisson sample of step {step} has {size} units > max_batch_size = {b} "
-                    "(overflow='error'). Raise max_batch_size or pick overflow='truncate' / 'resample'.")
-        raise RuntimeError(f"overflow='resample': no draw of step {step} fit max_batch_size = {b} in "
-                           f"{_MAX_RESAMPLE_ATTEMPTS} attempts; max_batch_size is far too small.")
+    _domain = _DOMAIN
+    _what = "cyclic Poisson sample"
+
+    def _units_of_step(self, step: int) -> np.ndarray:
+        return self._members[self.group_of_step(step)]
 
     def __repr__(self) -> str:
         return (f"CyclicPoissonSampler(num_examples={self.num_examples}, "

@@ -329,19 +329,35 @@ class PoissonSampler:
         mask[:chosen.size] = True
         return indices, mask
 
+    # What a subclass changes (`jaxdp.sampling.cyclic`): the units a step draws from, the size draw, the stream.
+    _domain = _DOMAIN
+    _what = "Poisson sample"
+
+    def _units_of_step(self, step: int) -> np.ndarray | None:
+        """The units step `step` samples from, increasing; None: all `num_examples`."""
+        return None
+
+    def _size(self, rng: KeyStream, n: int) -> int:
+        """How many of the step's n units are in its batch: Binomial(n, q)."""
+        return rng.binomial(n, self.sampling_probability)
+
     def _draw(self, step: int) -> tuple[np.ndarray, bool]:
-        n, b = self.num_examples, self.max_batch_size
+        """(the step's units, whether overflow changed the draw): one rule of overflow for every sampler."""
+        members = self._units_of_step(step)
+        n, b = (self.num_examples if members is None else members.size), self.max_batch_size
         for attempt in range(_MAX_RESAMPLE_ATTEMPTS):
-            rng = KeyStream(seeds.derive_seed(self.seed, _DOMAIN, step, attempt))
-            size = rng.binomial(n, self.sampling_probability)
+            rng = KeyStream(seeds.derive_seed(self.seed, self._domain, step, attempt))
+            size = self._size(rng, n)
             chosen = rng.subset(n, size)
+            if members is not None:
+                chosen = members[chosen]
             if size <= b:
                 return chosen, attempt > 0
             if self.overflow == "truncate":
                 return chosen[rng.subset(size, b)], True
             if self.overflow == "error":
                 raise RuntimeError(
-                    f"Poisson sample of step {step} has {size} examples > max_batch_size "
+                    f"{self._what} of step {step} has {size} examples > max_batch_size "
                     f"= {b} (overflow='error'). Raise max_batch_size or pick "
                     "overflow='truncate' / 'resample'.")
         raise RuntimeError(
