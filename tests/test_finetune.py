@@ -26,6 +26,7 @@ import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.finetune import methods as finetune
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
+from jaxdp.clipping.settings import ClipSpec, NormPlan
 
 RTOL = 1e-5  # float32, highest matmul precision
 METHOD_KWARGS = dict(rank=4, alpha=8.0, bottleneck=8, prompt_length=3, side_reduction=8)
@@ -285,7 +286,8 @@ def reversible_and_stored(graphdef, stored_graphdef, state, batch, C):
     for clipping, strategy in (("flat", "ghost"), ("per_layer", "instantiate")):
         expected, norms = jaxdp.core.reference.clipped_sum(ref, C, clipping=clipping)
         out[clipping] = {"expected": expected, "norms": norms,
-                         "fast": jaxdp.clipped_aggregate(grads, C, clipping=clipping, strategy=strategy)[0]}
+                         "fast": jaxdp.clipped_aggregate(grads, C, clip=ClipSpec(clipping=clipping),
+                                                         norms=NormPlan(strategy=strategy))[0]}
     out["flat"]["planted"] = jaxdp.core.reference.clipped_sum(plant(ref), C)[0]
     return out
 

@@ -24,6 +24,7 @@ from dp_testing import (
 from flax import nnx
 
 import jaxdp
+from jaxdp.clipping.settings import ClipSpec, NormPlan
 import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 
 @functools.lru_cache(maxsize=None)
@@ -43,8 +44,9 @@ def test_eager_equals_reference(clipping, clip_fn, strategy, chunk_size, remat):
     """Every clipping x clip_fn x strategy x chunking, eagerly (each op compiled once, shared by all cases)."""
     model, _, C, _ = gpt2_case(remat)
     _, grads = eager_grads(remat)
-    tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=CLIPPINGS[clipping],
-                          clip_fn=clip_fn, strategy=strategy, chunk_size=chunk_size)
+    tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE,
+                          clip=ClipSpec(clipping=CLIPPINGS[clipping], clip_fn=clip_fn),
+                          norms=NormPlan(strategy=strategy, chunk_size=chunk_size))
     params = nnx.state(model, nnx.Param)
     updates, _ = tx.update(grads, tx.init(params), params)
     assert max_rel_err(updates, reference_update(remat, clipping, clip_fn)) <= RTOL
@@ -61,8 +63,9 @@ def test_jit_equals_reference(remat):
     """per_example_grads + fused_clip traced under jit, JIT_CONFIGS (and "store") in one jitted function."""
     model, batch, C, _ = gpt2_case(remat)
     configs = JIT_CONFIGS + ([] if remat else STORE_CONFIGS)
-    txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=CLIPPINGS[c],
-                            clip_fn=f, strategy=s, chunk_size=chunk_size) for c, f, s, chunk_size in configs]
+    txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE,
+                            clip=ClipSpec(clipping=CLIPPINGS[c], clip_fn=f),
+                            norms=NormPlan(strategy=s, chunk_size=chunk_size)) for c, f, s, chunk_size in configs]
     all_updates = first_updates_fn(lm_loss, txs)
 
     for (clipping, clip_fn, strategy, chunk_size), updates in zip(configs, all_updates(model, batch)):
@@ -77,7 +80,7 @@ def test_jit_train_step_with_nnx_optimizer(remat):
     model = nnx.clone(model)
     before = by_path(nnx.state(model, nnx.Param))
     tx = optax.chain(
-        jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping="per_layer"),
+        jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clip=ClipSpec(clipping="per_layer")),
         optax.sgd(1.0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     grads_fn = jaxdp.per_example_grads(lm_loss)
@@ -141,7 +144,9 @@ def test_norms_equal_reference_float64():
         @nnx.jit
         def all_norms(model, batch):
             _, grads = grads_fn(model, batch)
-            return [jaxdp.clipped_aggregate(grads, 1.0, clipping=c, strategy=s)[1] for c, s in configs]
+            return [jaxdp.clipped_aggregate(grads, 1.0,
+                                            clip=ClipSpec(clipping=c),
+ norms=NormPlan(strategy=s))[1] for c, s in configs]
 
         ref_grads = jax.jit(lambda m, b: jaxdp.core.reference.per_example_grads(lm_loss, m, b)[1])(model, batch)
         for (clipping, strategy), norms in zip(configs, all_norms(model, batch)):
@@ -159,7 +164,7 @@ def test_plain_per_example_arrays():
     """fused_clip also takes materialised per-example gradients (B, ...), like optax's DP aggregate, with the
     parameters (which check that they are per-example: a summed gradient is refused)."""
     model, _, C, ref_grads = gpt2_case(False)
-    tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping="per_layer")
+    tx = jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clip=ClipSpec(clipping="per_layer"))
     nested = nnx.from_flat_state(list(ref_grads.items()))
     params = nnx.state(model, nnx.Param)
     updates, _ = tx.update(nested, tx.init(params), params)

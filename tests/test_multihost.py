@@ -162,8 +162,9 @@ from dp_testing import tiny_gpt2
 from jaxdp import sharding
 from jaxdp.core import losses
 from jaxdp.sharding import processes
+from jaxdp.clipping.settings import DPSpec
 step = sharding.ShardedDPStep(losses.cp_lm_losses, optax.adam(1e-2, eps=1e-3), sharding.make_mesh(2, 2),
-                              l2_norm_clip=0.05, noise_multiplier=2.0, expected_batch_size=6.0,
+                              DPSpec(l2_norm_clip=0.05, noise_multiplier=2.0, expected_batch_size=6.0),
                               key=jax.random.key(7), zero_stage=3)
 state = step.init(tiny_gpt2(seed=1))
 tokens = np.random.default_rng(3).integers(0, 97, (8, 17))
@@ -189,12 +190,13 @@ def test_sharded_step_on_two_processes_zero3_and_batches_that_differ(tmp_path):
     from dp_testing import tiny_gpt2
 
     from jaxdp import sharding
+    from jaxdp.clipping.settings import DPSpec
     from jaxdp.core import losses
     outs = _launch(lambda i: [sys.executable, "-c", _STEP_WORKER, str(tmp_path / "two.npz")])
     for out, _ in outs:
         assert out.count("REFUSED ShardedDPStep batch: the 2 processes disagree on batch;") == 2, out[-2000:]
     step = sharding.ShardedDPStep(losses.cp_lm_losses, optax.adam(1e-2, eps=1e-3), sharding.make_mesh(2, 2),
-                                  l2_norm_clip=0.05, noise_multiplier=2.0, expected_batch_size=6.0,
+                                  DPSpec(l2_norm_clip=0.05, noise_multiplier=2.0, expected_batch_size=6.0),
                                   key=jax.random.key(7), zero_stage=3)
     state = step.init(tiny_gpt2(seed=1))
     tokens = np.random.default_rng(3).integers(0, 97, (8, 17))

@@ -31,6 +31,7 @@ import pytest
 import jaxdp
 from jaxdp.clipping import rules as clipping_lib
 from jaxdp.core.terms import EmbedTerm, FactoredGrad, LinearTerm
+from jaxdp.clipping.settings import ClipSpec, NormPlan
 
 TRIALS = 300
 C = 1.0
@@ -104,7 +105,8 @@ def _contributions(arrays, *, strategy, clipping, kind):
             ids, v, dlogits, h = a
             grads = {"wte": FactoredGrad((EmbedTerm(ids[None], v[None], dlogits.shape[-1]),
                                           LinearTerm(dlogits[None], h[None])))}
-        sums, norms = jaxdp.clipped_aggregate(grads, C, clipping=clipping, strategy=strategy)
+        sums, norms = jaxdp.clipped_aggregate(grads, C, clip=ClipSpec(clipping=clipping),
+                                              norms=NormPlan(strategy=strategy))
         sq = sum(jnp.sum(jnp.square(s.astype(jnp.float32))) for s in jax.tree.leaves(sums))
         return jnp.sqrt(sq), jnp.stack([n[0] for n in norms.values()])
     return jax.vmap(one)(*arrays)
@@ -245,7 +247,7 @@ def test_large_gradients_carry_the_rounding_bound_of_their_final_sums(kind, stra
         monkeypatch.setattr(single_pass, "linear_fused_clipped_sum", planted_single)
         real_sum = clipping_lib.clipped_sum  # and the XLA clipped sum for the Pallas one
         monkeypatch.setattr(clipping_lib, "clipped_sum", lambda grad, c, pallas=False: real_sum(grad, c))
-    sums, _ = jaxdp.clipped_aggregate(grads, C, strategy=strategy)
+    sums, _ = jaxdp.clipped_aggregate(grads, C, norms=NormPlan(strategy=strategy))
     out = np.sqrt(sum(np.sum(np.square(np.asarray(v, np.float64))) for v in sums.values()))
     assert out <= C * clipping_lib.SENSITIVITY_FACTOR * (1 + 1e-6), f"a contribution reached C (1 + {out / C - 1:.3g})"
 
@@ -272,9 +274,9 @@ def test_underflow_cannot_zero_a_norm(strategy):
             grads["b"] = FactoredGrad((jaxdp.core.terms.DenseTerm(bias),))
         elif strategy == "store":
             with pytest.raises(ValueError, match="l2_norm_clip gives clipping group 'all' the threshold"):
-                jaxdp.clipped_aggregate(grads, clip, strategy=strategy)
+                jaxdp.clipped_aggregate(grads, clip, norms=NormPlan(strategy=strategy))
             continue
-        sums, _ = jaxdp.clipped_aggregate(grads, clip, strategy=strategy)
+        sums, _ = jaxdp.clipped_aggregate(grads, clip, norms=NormPlan(strategy=strategy))
         out = np.sqrt(sum(np.sum(np.square(np.asarray(v, np.float64))) for v in sums.values()))
         assert out <= clip * clipping_lib.SENSITIVITY_FACTOR * (1 + 1e-6), (x_scale, g_scale, out / clip)
 
@@ -303,13 +305,14 @@ def test_aliasing_and_out_of_range_ids_are_one_row_to_norm_and_sum(strategy, cli
     grads = {"wte": {"embedding": FactoredGrad((LinearTerm(jnp.asarray(x_head, jnp.float32),
                                                            jnp.asarray(g_head, jnp.float32)),
                                                 EmbedTerm(jnp.asarray(ids), jnp.asarray(g_lookup, jnp.float32), V)))}}
-    sums, _ = jaxdp.clipped_aggregate(grads, C, strategy=strategy, clipping=clipping)
+    sums, _ = jaxdp.clipped_aggregate(grads, C, clip=ClipSpec(clipping=clipping), norms=NormPlan(strategy=strategy))
     norms = np.linalg.norm(G.reshape(B, -1), axis=1)
     expected = np.einsum("b,bvd->vd", np.minimum(1.0, C / norms), G)
     np.testing.assert_allclose(np.asarray(sums["wte"]["embedding"], np.float64), expected, rtol=1e-4, atol=1e-5)
     for b in range(B):
         one = jax.tree.map(lambda a, b=b: a[b:b + 1], grads)
-        out = np.linalg.norm(np.asarray(jaxdp.clipped_aggregate(one, C, strategy=strategy, clipping=clipping)[0]
+        out = np.linalg.norm(np.asarray(jaxdp.clipped_aggregate(one, C, clip=ClipSpec(clipping=clipping),
+                                                                norms=NormPlan(strategy=strategy))[0]
                                         ["wte"]["embedding"], np.float64))
         assert out <= C * clipping_lib.SENSITIVITY_FACTOR * (1 + 1e-6), (b, out / C)
 
@@ -340,7 +343,8 @@ def _bf16_step_contributions(clipping, seeds, T=12, strategy="ghost", adapter=Tr
                                 adapter_targets=("mlp/c_proj",)) if adapter else model
 
     # One transform for every seed: the optimizer's static graph stays equal, so the jitted step traces once.
-    tx = optax.chain(jaxdp.fused_clip(c, 0.0, expected_batch_size=1.0, clipping=clipping, strategy=strategy),
+    tx = optax.chain(jaxdp.fused_clip(c, 0.0, expected_batch_size=1.0, clip=ClipSpec(clipping=clipping),
+                                      norms=NormPlan(strategy=strategy)),
                      optax.sgd(lr))
     out = []
     for seed in seeds:

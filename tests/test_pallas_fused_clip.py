@@ -25,6 +25,7 @@ from flax import nnx
 import jaxdp
 import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.core.terms import DenseTerm, FactoredGrad, LinearTerm, instantiate
+from jaxdp.clipping.settings import ClipSpec, NormPlan
 
 # Every clipping and every clip_fn, each clip_fn once under the single-pass kernel (per_layer): clip_fn
 # maps norms to factors in jnp between the kernels, the same code for every clipping; the full grid runs
@@ -39,8 +40,9 @@ def test_pallas_jit_equals_reference():
     norms and sums this strategy replaces (test_fused_clip_reference covers it).
     """
     model, batch, C, _ = gpt2_case(False)
-    txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clipping=CLIPPINGS[c],
-                            clip_fn=f, strategy="pallas") for c, f in CONFIGS]
+    txs = [jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE,
+                            clip=ClipSpec(clipping=CLIPPINGS[c], clip_fn=f),
+ norms=NormPlan(strategy="pallas")) for c, f in CONFIGS]
     all_updates = first_updates_fn(lm_loss, txs)
 
     for (clipping, clip_fn), updates in zip(CONFIGS, all_updates(model, batch)):
@@ -58,7 +60,7 @@ def test_pallas_strategy_uses_the_kernels(monkeypatch):
                             lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
     model, batch, C, _ = gpt2_case(False)
     _, grads = jax.eval_shape(jaxdp.per_example_grads(lm_loss), model, batch)
-    jax.eval_shape(lambda g: jaxdp.clipped_aggregate(g, C, strategy="pallas"), grads)  # tracing only
+    jax.eval_shape(lambda g: jaxdp.clipped_aggregate(g, C, norms=NormPlan(strategy="pallas")), grads)  # tracing only
     assert "linear_clipped_sum" in calls
     assert {"linear_sq_norms", "linear_ghost_sq_norms"} & set(calls)
 
@@ -73,10 +75,12 @@ def test_per_layer_takes_the_single_pass_kernel(monkeypatch):
     model, batch, C, _ = gpt2_case(False)
     _, grads = jax.eval_shape(jaxdp.per_example_grads(lm_loss), model, batch)
     num_linear = sum(isinstance(m, jaxdp.core.nn.Linear) for _, m in nnx.iter_graph(model))
-    jax.eval_shape(lambda g: jaxdp.clipped_aggregate(g, C, clipping="per_layer", strategy="pallas"), grads)
+    jax.eval_shape(lambda g: jaxdp.clipped_aggregate(g, C, clip=ClipSpec(clipping="per_layer"),
+                                                     norms=NormPlan(strategy="pallas")), grads)
     assert len(calls) == num_linear + 1  # + the tied embedding's head use
     calls.clear()
-    jax.eval_shape(lambda g: jaxdp.clipped_aggregate(g, C, clipping="flat", strategy="pallas"), grads)
+    jax.eval_shape(lambda g: jaxdp.clipped_aggregate(g, C, clip=ClipSpec(clipping="flat"),
+                                                     norms=NormPlan(strategy="pallas")), grads)
     assert not calls
 
 
@@ -111,8 +115,8 @@ def test_single_pass_drops_non_finite_examples_like_the_reference(clip_fn):
     C = 3.0
     expected, expected_norms = jaxdp.core.reference.clipped_sum(dense, C, clipping="per_layer", clip_fn=clip_fn)
     assert not bool(jnp.isfinite(expected_norms[("b",)][2]))  # the overflow really happens
-    sums, norms = jaxdp.clipped_aggregate(factored, C, clipping="per_layer", clip_fn=clip_fn,
-                                          strategy="pallas", chunk_size=2)
+    sums, norms = jaxdp.clipped_aggregate(factored, C, clip=ClipSpec(clipping="per_layer", clip_fn=clip_fn),
+                                          norms=NormPlan(strategy="pallas", chunk_size=2))
     assert max_rel_err(_by_path(sums), expected) <= RTOL
     for group, n in expected_norms.items():
         finite = jnp.isfinite(n)
@@ -126,5 +130,6 @@ def test_planted_error_skipping_the_late_drop_is_caught(monkeypatch):
     monkeypatch.setattr(single_pass_clipping, "redo_if_dropped_late", lambda linear_sums, *_: linear_sums)
     factored, dense = _two_layer_grads(seed=21)
     expected, _ = jaxdp.core.reference.clipped_sum(dense, 3.0, clipping="per_layer")
-    sums, _ = jaxdp.clipped_aggregate(factored, 3.0, clipping="per_layer", strategy="pallas", chunk_size=2)
+    sums, _ = jaxdp.clipped_aggregate(factored, 3.0, clip=ClipSpec(clipping="per_layer"),
+                                      norms=NormPlan(strategy="pallas", chunk_size=2))
     assert max_rel_err(_by_path(sums), expected) > 1e-2

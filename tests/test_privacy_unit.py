@@ -25,6 +25,7 @@ from jaxdp.clipping.rules import SENSITIVITY_FACTOR
 from jaxdp.core.losses import lm_losses
 from jaxdp.core.terms import group_examples
 from jaxdp.data import windows as data
+from jaxdp.clipping.settings import ClipSpec, NormPlan
 
 U, K, T, V = 3, 2, 12, 97
 RTOL = 1e-5  # float32 at the highest matmul precision (as tests/test_fused_clip_reference.py)
@@ -56,7 +57,8 @@ def by_units(batch):
 def _fast_sums(model, batch, C, clipping, windows_per_unit, strategies):
     _, grads = jaxdp.per_example_grads(lm_losses)(model, batch)
     grads = group_examples(grads, windows_per_unit)
-    return [clipped_aggregate(grads, C, clipping=clipping, strategy=s)[0] for s in strategies]
+    return [clipped_aggregate(grads, C,
+                              clip=ClipSpec(clipping=clipping), norms=NormPlan(strategy=s))[0] for s in strategies]
 
 
 def fast_sums(model, batch, C, clipping, windows_per_unit):

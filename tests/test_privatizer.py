@@ -60,9 +60,9 @@ def test_a_sharded_leaf_draws_its_own_block_and_a_replicated_one_the_single_devi
     leaves = [jnp.zeros((16, 8), jnp.float32), jnp.zeros((16, 8), jnp.float32)]
     state = privatizer.init(leaves, noise.check_key(jax.random.key(3), "test"))
     _, keys = privatizer.begin_step(state, len(leaves))
-    single = privatizer.privatize(leaves, keys)
-    replicated = privatizer.privatize(leaves, keys, [None, None])
-    blocks = [privatizer.privatize(leaves, keys, [None, jnp.int32(s)])[1] for s in (0, 1)]
+    single, _ = privatizer.privatize(leaves, keys)
+    replicated, _ = privatizer.privatize(leaves, keys, [None, None])
+    blocks = [privatizer.privatize(leaves, keys, [None, jnp.int32(s)])[0][1] for s in (0, 1)]
     np.testing.assert_array_equal(np.asarray(replicated[0]), np.asarray(single[0]))
     assert not np.array_equal(np.asarray(blocks[0]), np.asarray(blocks[1]))  # shards never share noise
     assert not np.array_equal(np.asarray(single[0]), np.asarray(single[1]))  # nor do leaves

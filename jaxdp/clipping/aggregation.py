@@ -19,13 +19,16 @@ from jaxdp.clipping import rules as clipping_lib
 from jaxdp.core import rows as rows_lib
 from jaxdp.core.terms import DenseTerm, FactoredGrad, as_factored, is_factored, pinned
 from jaxdp.noise import draws as noise_lib
+from jaxdp.noise.mechanisms import DPSGD
 from jaxdp.clipping.settings import (ClipSpec, DPSpec, NormPlan, accepts_old_keywords, check_clip_spec,
                                      check_norm_plan)
 
 
 class FusedClipState(NamedTuple):
     """State of `fused_clip`."""
-    noise_key: jax.Array   # the privatizer's state (`jaxdp.noise.privatizer`): split once per logical batch
+    noise_key: Any         # the privatizer's state (`jaxdp.noise.privatizer`): its key, split once per logical batch
+                           # (DP-SGD), or NoiseState(key, buffers) for a correlated mechanism (the name kept:
+                           # checkpoints keep their layout)
     micro_step: jax.Array  # int32 in [0, accumulation_steps)
     accumulated: Any       # clipped sums of this logical batch so far (None without accumulation)
 
@@ -301,7 +304,8 @@ def _stored_gradients(factored, plan: NormPlan) -> dict:
 @accepts_old_keywords
 def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_size: float,
                key: jax.Array | None = None, accumulation_steps: int = 1, secure_noise: bool = False,
-               clip: ClipSpec = ClipSpec(), norms: NormPlan = NormPlan()) -> optax.GradientTransformation:
+               clip: ClipSpec = ClipSpec(), norms: NormPlan = NormPlan(),
+               mechanism: Any = DPSGD()) -> optax.GradientTransformation:
     """DP-SGD aggregation: clip per example, sum, add Gaussian noise once per logical batch.
 
     `update(grads, state, params=None)` takes per-example gradients, either the
@@ -359,6 +363,11 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
         (snapping): a mitigation of floating-point attacks on the noise, at four
         draws instead of one. Use it when noisy sums (not only the final model)
         are released: see `jaxdp.noise.draws`, "Floating-point noise".
+      mechanism: the noise's correlation over logical batches (`jaxdp.noise.mechanisms`): `DPSGD()`,
+        independent (the default), or `BandMF(coefs)` (`jaxdp.noise.strategies.bandmf(steps, bands)`):
+        the noise of batch t is row t of C^{-1} Z, from b - 1 float32 buffers per parameter in the
+        state. Its epsilon is the amplified BandMF analysis (`jaxdp.accounting.mechanisms`), which
+        holds only when batches come from cyclic Poisson sampling of b groups (`jaxdp.sampling.cyclic`).
 
     Returns:
       An `optax.GradientTransformation`.
@@ -374,7 +383,7 @@ def fused_clip(l2_norm_clip: float, noise_multiplier: float, *, expected_batch_s
       ...     optax.adamw(3e-4))
     """
     spec = DPSpec(l2_norm_clip, noise_multiplier, expected_batch_size, clip,
-                  noise_lib.check_secure(secure_noise, "fused_clip"))  # every setting checked here
+                  noise_lib.check_secure(secure_noise, "fused_clip"), mechanism)  # every setting checked here
     check_norm_plan(norms)
     if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}")

@@ -19,12 +19,14 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
 import numpy as np
 
 from jaxdp.clipping import norm_costs
 from jaxdp.clipping import norms as norms_lib
 from jaxdp.clipping import rules as clipping_lib
+from jaxdp.noise.mechanisms import BandMF, DPSGD
 
 
 def check_positive(name: str, value, allow_zero: bool = False) -> None:
@@ -106,12 +108,20 @@ class DPSpec:
       clip: the `ClipSpec`.
       secure_noise: four draws per value from ChaCha20 bits and a snapped release (`jaxdp.noise.draws`,
         "Floating-point noise").
+      mechanism: how each step's noise combines the draws of earlier steps (`jaxdp.noise.mechanisms`):
+        `DPSGD()` (independent, the default) or `BandMF(coefs)`. The draws' std is sigma C' times the
+        strategy's column norm ||c|| (1 for `jaxdp.noise.strategies.bandmf`'s coefficients), the
+        convention of `jaxdp.accounting.mechanisms`; BandMF's epsilon is the amplified analysis, valid
+        only with cyclic Poisson sampling of b groups (`jaxdp.sampling.cyclic`). BLT, whose sensitivity
+        depends on the whole run's participation, is not taken here: build its `GaussianPrivatizer`
+        with `jaxdp.accounting.mechanisms.noise_std`.
     """
     l2_norm_clip: float
     noise_multiplier: float
     expected_batch_size: float
     clip: ClipSpec = ClipSpec()
     secure_noise: bool = False
+    mechanism: Any = DPSGD()
 
     def __post_init__(self):  # NaN passes a `<= 0` check, and a NaN std would skip the noise: checked as `> 0`
         check_positive("l2_norm_clip", self.l2_norm_clip)
@@ -121,17 +131,23 @@ class DPSpec:
         if not isinstance(self.secure_noise, (bool, np.bool_)):
             raise TypeError(f"secure_noise must be True or False, got {self.secure_noise!r}")
         object.__setattr__(self, "secure_noise", bool(self.secure_noise))
+        if not isinstance(self.mechanism, (DPSGD, BandMF)):
+            raise TypeError(f"mechanism must be jaxdp.noise.mechanisms.DPSGD() or BandMF(coefs), got "
+                            f"{self.mechanism!r}; BLT: a GaussianPrivatizer with "
+                            "jaxdp.accounting.mechanisms.noise_std (its sensitivity depends on the run)")
         if not math.isfinite(self.l2_norm_clip):
             raise ValueError(f"l2_norm_clip must be finite, got {self.l2_norm_clip}")
 
     @property
     def noise_std(self) -> float:
-        return clipping_lib.noise_std(self.l2_norm_clip, self.noise_multiplier)
+        """The std of the draws: sigma times the clip's sensitivity C' times the strategy's column norm."""
+        column_norm = math.sqrt(sum(c * c for c in self.mechanism.coefs)) if isinstance(self.mechanism, BandMF) else 1.0
+        return clipping_lib.noise_std(self.l2_norm_clip, self.noise_multiplier) * column_norm
 
     def privatizer(self):
         """The `jaxdp.noise.privatizer.GaussianPrivatizer` of this release."""
         from jaxdp.noise.privatizer import GaussianPrivatizer
-        return GaussianPrivatizer(self.noise_std, self.expected_batch_size, self.secure_noise)
+        return GaussianPrivatizer(self.noise_std, self.expected_batch_size, self.secure_noise, self.mechanism)
 
 
 def check_clip_spec(clip) -> None:

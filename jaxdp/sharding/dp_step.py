@@ -71,7 +71,7 @@ from jaxdp.clipping.two_pass import two_pass_clipped_sums, weighted_loss_grad
 from jaxdp.core.per_example import per_example_grads
 from jaxdp.noise import draws as noise_lib
 from jaxdp.noise import seeds
-from jaxdp.noise.privatizer import GaussianPrivatizer
+from jaxdp.noise.privatizer import GaussianPrivatizer, NoiseState
 from jaxdp.sharding import context_parallel
 from jaxdp.sharding.mesh import DATA, SEQ, param_dims, spec_for
 from jaxdp.sharding.processes import agree, put
@@ -133,7 +133,7 @@ class ShardedDPState(NamedTuple):
     params: Any        # nnx.State of Params; sharded over `data` under ZeRO-3
     rest: Any          # the model's other state (replicated)
     opt_state: Any     # sharded over `data` under ZeRO >= 1
-    noise_key: jax.Array
+    noise_key: Any     # the privatizer's state: its key (DP-SGD), or NoiseState(key, buffers) (correlated)
 
 
 class Layout(NamedTuple):
@@ -167,6 +167,11 @@ def layout_for(model, tx: optax.GradientTransformation, mesh, zero_stage: int) -
         _named(mesh, param_specs), jax.tree.map(lambda _: NamedSharding(mesh, P()), rest),
         _named(mesh, opt_specs), NamedSharding(mesh, P()))
     return Layout(graphdef, dims, grad_dims, param_specs, grad_specs, state_shardings)
+
+
+def _buffer_specs(layout: Layout) -> list:
+    """A correlated mechanism's buffers (num_buffers, *leaf shape) per leaf: sharded as the leaf's gradient."""
+    return [P(None, *spec) for spec in jax.tree.leaves(layout.grad_specs, is_leaf=lambda x: isinstance(x, P))]
 
 
 def _check_takes_seq_axis(loss_fn: Callable) -> None:
@@ -252,6 +257,10 @@ class ShardedDPStep:
         if self.layout is not None and layout.graphdef != self.layout.graphdef:
             raise ValueError("ShardedDPStep.init: this step was built for another model structure; "
                              "build one ShardedDPStep per model")
+        if self.privatizer.correlated:  # the buffers are laid out like the gradients
+            buffers = [NamedSharding(self.mesh, spec) for spec in _buffer_specs(layout)]
+            layout = layout._replace(state_shardings=layout.state_shardings._replace(
+                noise_key=NoiseState(NamedSharding(self.mesh, P()), buffers)))
         self.layout = layout
         _, params, rest = nnx.split(model, nnx.Param, ...)
         key = self.privatizer.init(params, self.pinned_key)
@@ -281,8 +290,9 @@ class ShardedDPStep:
             return P(DATA, SEQ)
         return P(DATA)
 
-    def _local(self, layout: Layout, params, rest, batch, leaf_keys):
-        """Per device: gradient sums, then sums over the mesh and noise (inside shard_map)."""
+    def _local(self, layout: Layout, params, rest, batch, leaf_keys, buffers):
+        """Per device: gradient sums, then sums over the mesh and noise (inside shard_map); a correlated
+        mechanism's `buffers` are this device's blocks, laid out like the gradients."""
         if self.zero_stage >= 3:
             params = jax.tree.map(
                 lambda p, d: p if d < 0 else jax.lax.all_gather(p, DATA, axis=d, tiled=True),
@@ -307,8 +317,8 @@ class ShardedDPStep:
                 s = jax.lax.psum(s, SEQ) if cp_axis is not None else s
                 reduced.append(jax.lax.psum_scatter(s, DATA, scatter_dimension=d, tiled=True))
                 shards.append(shard)
-        out = self.privatizer.privatize(reduced, leaf_keys, shards)  # noise, / expected batch size
-        return losses, jax.tree.unflatten(treedef, out)
+        out, buffers = self.privatizer.privatize(reduced, leaf_keys, shards, buffers)  # noise, / expected batch
+        return losses, jax.tree.unflatten(treedef, out), buffers
 
     def _clipped_sums(self, loss_fn, graphdef, params, rest, batch):
         """DP: per-example losses and this device's share of the clipped per-example gradient sums."""
@@ -332,19 +342,23 @@ class ShardedDPStep:
 
     def _step(self, layout: Layout, state: ShardedDPState, batch):
         num_leaves = len(jax.tree.leaves(state.params))
-        key, leaf_keys = self.privatizer.begin_step(state.noise_key, num_leaves)
+        noise, leaf_keys = self.privatizer.begin_step(state.noise_key, num_leaves)
         if self.privatizer.secure:
             leaf_keys = leaf_keys[:1]  # every leaf's is the step's key: passed once, one stream inside
         batch_specs = jax.tree.map(self.batch_spec, batch)
+        buffers = self.privatizer.buffers_of(noise)
+        buffer_specs = None if buffers is None else _buffer_specs(layout)
         local = jax.shard_map(
             functools.partial(self._local, layout), mesh=self.mesh,
             in_specs=(layout.param_specs, jax.tree.map(lambda _: P(), state.rest), batch_specs,
-                      [P()] * len(leaf_keys)),
-            out_specs=(P(DATA), layout.grad_specs), check_vma=True)
-        losses, grads = local(state.params, state.rest, batch, leaf_keys)
+                      [P()] * len(leaf_keys), buffer_specs),
+            out_specs=(P(DATA), layout.grad_specs, buffer_specs), check_vma=True)
+        losses, grads, buffers = local(state.params, state.rest, batch, leaf_keys, buffers)
+        if buffers is not None:
+            noise = NoiseState(self.privatizer.key_of(noise), buffers)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        return ShardedDPState(params, state.rest, opt_state, key), {"losses": losses, "grads": grads}
+        return ShardedDPState(params, state.rest, opt_state, noise), {"losses": losses, "grads": grads}
 
     def _jit(self, batch):
         """The jitted step for batches of `batch`'s structure (each leaf's sharding follows its rank)."""
