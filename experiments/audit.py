@@ -47,12 +47,12 @@ def _black_box(config):
     def progress(step):
         print(f"\rstep {step}/{config.steps}", end="\n" if step == config.steps else "", file=sys.stderr, flush=True)
 
-    return audit_runs.black_box_audit(
-        model, windows, tokenizer.vocab_size, num_canaries=config.audit.num_canaries, steps=config.steps,
-        batch_size=config.batch_size, target_epsilon=config.dp.target_epsilon,
-        noise_multiplier=config.dp.noise_multiplier, delta=config.dp.delta, l2_norm_clip=config.dp.l2_norm_clip,
-        learning_rate=config.learning_rate, bug=config.audit.bug, confidence=config.audit.confidence,
-        overflow=config.dp.overflow, seed=config.seed, progress=progress, **_mechanism(config)), \
+    settings = audit_runs.BlackBoxSettings(
+        num_canaries=config.audit.num_canaries, steps=config.steps, batch_size=config.batch_size,
+        learning_rate=config.learning_rate, overflow=config.dp.overflow, bug=config.audit.bug,
+        confidence=config.audit.confidence)
+    return audit_runs.black_box_audit(model, windows, tokenizer.vocab_size, settings=settings, claim=_claim(config),
+                                      seed=config.seed, progress=progress), \
         f"{n} windows, {config.model.family} d={config.model.d_model}"
 
 
@@ -67,14 +67,21 @@ def _mechanism(config) -> dict:
     return dict(clipping=dp.clipping, clip_fn=dp.clip_fn, secure_noise=dp.secure_noise, accountant=config.accountant)
 
 
+def _claim(config):
+    """The audited run's DP step and claim (`jaxdp.auditing.settings.Claim`)."""
+    from jaxdp.auditing.settings import Claim
+    dp = config.dp
+    return Claim(target_epsilon=dp.target_epsilon, noise_multiplier=dp.noise_multiplier, delta=dp.delta,
+                 l2_norm_clip=dp.l2_norm_clip, **_mechanism(config))
+
+
 def _white_box(config):
     from jaxdp.auditing import runs as audit_runs
-    result = audit_runs.white_box_audit(
+    settings = audit_runs.WhiteBoxSettings(
         num_canaries=config.audit.num_canaries, num_examples=config.audit.white_box_examples,
-        steps=config.audit.white_box_steps, target_epsilon=config.dp.target_epsilon,
-        noise_multiplier=config.dp.noise_multiplier, delta=config.dp.delta, l2_norm_clip=config.dp.l2_norm_clip,
-        sampling_probability=config.audit.white_box_sampling_rate, bug=config.audit.bug,
-        confidence=config.audit.confidence, seed=config.seed, **_mechanism(config))
+        steps=config.audit.white_box_steps, sampling_probability=config.audit.white_box_sampling_rate,
+        bug=config.audit.bug, confidence=config.audit.confidence)
+    result = audit_runs.white_box_audit(settings=settings, claim=_claim(config), seed=config.seed)
     return result, f"{config.audit.white_box_examples} synthetic records, softmax regression"
 
 

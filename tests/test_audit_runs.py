@@ -17,6 +17,7 @@ from flax import nnx
 from jaxdp.accounting import accountant as accounting
 from jaxdp.accounting import calibration
 from jaxdp.auditing import runs as audit_runs
+from jaxdp.auditing.settings import BlackBoxSettings, Claim, WhiteBoxSettings
 from jaxdp.core import nn
 from jaxdp.noise import seeds
 from jaxdp.training import receipt
@@ -32,11 +33,12 @@ def sigma():
 
 @pytest.fixture(scope="module")
 def correct():
-    return audit_runs.white_box_audit(target_epsilon=CLAIM, seed=0)
+    return audit_runs.white_box_audit(claim=Claim(target_epsilon=CLAIM), seed=0)
 
 
-def _audit(sigma, **kwargs):
-    return audit_runs.white_box_audit(noise_multiplier=sigma, seed=0, **kwargs)
+def _audit(sigma, bug="none", **claim):
+    return audit_runs.white_box_audit(settings=WhiteBoxSettings(bug=bug), claim=Claim(noise_multiplier=sigma, **claim),
+                                      seed=0)
 
 
 def test_correct_run_bound_at_most_claim(sigma, correct):
@@ -107,8 +109,9 @@ class _Bigram(nnx.Module):
 def test_black_box_audit_scores_loss_drops():
     windows = np.random.default_rng(0).integers(0, 97, size=(48, 17))
     model = _Bigram(0)
-    result = audit_runs.black_box_audit(model, windows, 97, num_canaries=16, steps=2, batch_size=16,
-                                        noise_multiplier=1.0, seed=0)
+    result = audit_runs.black_box_audit(model, windows, 97, settings=BlackBoxSettings(num_canaries=16, steps=2,
+                                                                                      batch_size=16),
+                                        claim=Claim(noise_multiplier=1.0), seed=0)
     q = 16 / (48 + 8)
     assert result.sampling_probability == pytest.approx(q)
     assert result.claimed_epsilon == pytest.approx(
@@ -126,7 +129,31 @@ def test_black_box_audit_scores_loss_drops():
 ])
 def test_errors_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
-        audit_runs.white_box_audit(**kwargs)
+        WhiteBoxSettings(**kwargs)
+    with pytest.raises(ValueError, match="bug"):
+        BlackBoxSettings(bug="noise")
+    with pytest.raises(ValueError, match="canary_norm"):  # 10 C, at C = 0
+        audit_runs.white_box_audit(claim=Claim(l2_norm_clip=0.0))
+    with pytest.raises(TypeError, match="settings must be a WhiteBoxSettings"):
+        audit_runs.white_box_audit(settings=BlackBoxSettings())
+
+
+def test_the_old_keywords_run_the_same_audit_with_a_deprecation_warning():
+    """The keywords before `WhiteBoxSettings` / `Claim` run the same audit (same scores, bit for bit) for one
+    release; a setting they carry does reach the run."""
+    settings, claim = WhiteBoxSettings(num_canaries=64, steps=1, sampling_probability=0.5), Claim(noise_multiplier=1.0)
+    new = audit_runs.white_box_audit(settings=settings, claim=claim, seed=0)
+    with pytest.warns(DeprecationWarning, match=r"settings=WhiteBoxSettings\(num_canaries=.*claim=Claim\("):
+        old = audit_runs.white_box_audit(num_canaries=64, steps=1, sampling_probability=0.5, noise_multiplier=1.0,
+                                         seed=0)
+    np.testing.assert_array_equal(old.scores, new.scores)
+    assert (old.claimed_epsilon, old.mechanism) == (new.claimed_epsilon, new.mechanism)
+    with pytest.warns(DeprecationWarning):
+        halved = audit_runs.white_box_audit(num_canaries=64, steps=1, sampling_probability=0.5, noise_multiplier=0.5,
+                                            seed=0)
+    assert not np.array_equal(halved.scores, new.scores)
+    with pytest.raises(TypeError, match="together"):
+        audit_runs.white_box_audit(claim=claim, noise_multiplier=1.0)
 
 
 def _run_receipt(tmp_path, **mechanism) -> None:
@@ -238,13 +265,13 @@ def test_the_audit_runs_the_audited_mechanism(monkeypatch):
 
     monkeypatch.setattr(audit_runs, "fused_clip", spy)
     mechanism = dict(clipping="per_layer", clip_fn="automatic", secure_noise=True, accountant="rdp")
-    result = audit_runs.white_box_audit(num_canaries=64, steps=2, sampling_probability=0.5, noise_multiplier=1.0,
-                                        seed=0, **mechanism)
+    result = audit_runs.white_box_audit(settings=WhiteBoxSettings(num_canaries=64, steps=2, sampling_probability=0.5),
+                                        claim=Claim(noise_multiplier=1.0, **mechanism), seed=0)
     assert (seen["clip"].clipping, seen["clip"].clip_fn, seen["secure_noise"]) == ("per_layer", "automatic", True)
     assert result.mechanism == {**mechanism, "l2_norm_clip": 1.0}
     assert result.claimed_epsilon == pytest.approx(accounting.epsilon(1.0, 0.5, 2, 1e-5, accountant="rdp"))
     with pytest.raises(ValueError, match="accountant"):
-        audit_runs.white_box_audit(num_canaries=64, accountant="moments")
+        Claim(accountant="moments")
 
 
 def test_audit_noise_key_is_the_roots_256_bit_noise_key(monkeypatch):
@@ -255,15 +282,17 @@ def test_audit_noise_key_is_the_roots_256_bit_noise_key(monkeypatch):
     from jaxdp.noise import draws as noise
     seen, real = [], audit_runs._privatizer
 
-    def spy(bug, l2_norm_clip, sigma, batch_size, key, mechanism):
+    def spy(*args, key, **kwargs):
         seen.append(key)
-        return real(bug, l2_norm_clip, sigma, batch_size, key, mechanism)
+        return real(*args, key=key, **kwargs)
 
     monkeypatch.setattr(audit_runs, "_privatizer", spy)
     windows = np.random.default_rng(0).integers(0, 97, size=(48, 17))
-    audit_runs.black_box_audit(_Bigram(0), windows, 97, num_canaries=16, steps=1, batch_size=16,
-                               noise_multiplier=1.0, seed=0)
-    audit_runs.white_box_audit(num_canaries=64, steps=1, sampling_probability=0.5, noise_multiplier=1.0, seed=0)
+    claim = Claim(noise_multiplier=1.0)
+    audit_runs.black_box_audit(_Bigram(0), windows, 97, claim=claim, seed=0,
+                               settings=BlackBoxSettings(num_canaries=16, steps=1, batch_size=16))
+    audit_runs.white_box_audit(settings=WhiteBoxSettings(num_canaries=64, steps=1, sampling_probability=0.5),
+                               claim=claim, seed=0)
     want = noise.noise_key_from_seed(seeds.derive_seed(0, "audit_noise"))
     assert len(seen) == 2
     for key in seen:

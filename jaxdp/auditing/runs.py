@@ -15,8 +15,10 @@ CLIPPED gradient with the total parameter change, sign-flipped so that
 
 The run claims epsilon = `jaxdp.accounting.epsilon(sigma, q, steps, delta)`
 (PLD unless `accountant="rdp"`); clipping, clip_fn and secure_noise are the
-audited run's (`jaxdp.fused_clip`'s arguments). `bug` plants a privacy bug
-the claim does not know about, to show that the audit can fail:
+audited run's (`jaxdp.fused_clip`'s arguments): together they are the `Claim`.
+How each audit runs is its `WhiteBoxSettings` / `BlackBoxSettings`
+(`jaxdp.auditing.settings`), whose `bug` plants a privacy bug the claim does
+not know about, to show that the audit can fail:
 
   "none"         the correct step.
   "half_noise"   noise standard deviation sigma C / 2 (sigma halved).
@@ -38,11 +40,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxdp.accounting import accountant as accounting
-from jaxdp.accounting import calibration
+from jaxdp._keywords import old_keywords
 from jaxdp.auditing import bound as auditing
+from jaxdp.auditing.settings import (  # noqa: F401
+    BUGS,
+    BlackBoxSettings,
+    Claim,
+    WhiteBoxSettings,
+    field_names,
+)
 from jaxdp.clipping.aggregation import fused_clip
-from jaxdp.clipping.settings import ClipSpec
 from jaxdp.core import nn
 from jaxdp.core.losses import lm_losses
 from jaxdp.core.per_example import per_example_grads
@@ -51,7 +58,6 @@ from jaxdp.noise.draws import noise_key_from_seed
 from jaxdp.noise.seeds import derive_seed, secret_seed
 from jaxdp.sampling.poisson import PoissonSampler
 
-BUGS = ("none", "half_noise", "no_clipping")
 _NO_CLIP_FACTOR = 1e6  # "no_clipping": C' = 1e6 C, noise multiplier sigma / 1e6 (same noise std)
 
 
@@ -104,11 +110,11 @@ def _with_canaries(grads, x_M1P, g_M1D):
     return jax.tree.map(extend, grads, is_leaf=is_factored)
 
 
-def _privatizer(bug: str, l2_norm_clip: float, noise_multiplier: float, expected_batch_size: float, key,
-                mechanism: dict):
-    """fused_clip as the audited run has it (`mechanism`: clipping, clip_fn, secure_noise), with `bug` planted."""
-    kw = dict(expected_batch_size=expected_batch_size, key=key, secure_noise=mechanism["secure_noise"],
-              clip=ClipSpec(mechanism["clipping"], mechanism["clip_fn"]))
+def _privatizer(claim: Claim, bug: str, noise_multiplier: float, *, expected_batch_size: float, key):
+    """fused_clip as the audited run has it (`claim`'s C, clipping, clip_fn, secure_noise), with `bug` planted."""
+    kw = dict(expected_batch_size=expected_batch_size, key=key, secure_noise=bool(claim.secure_noise),
+              clip=claim.clip)
+    l2_norm_clip = claim.l2_norm_clip
     if bug == "none":
         return fused_clip(l2_norm_clip, noise_multiplier, **kw)
     if bug == "half_noise":
@@ -116,65 +122,37 @@ def _privatizer(bug: str, l2_norm_clip: float, noise_multiplier: float, expected
     return fused_clip(l2_norm_clip * _NO_CLIP_FACTOR, noise_multiplier / _NO_CLIP_FACTOR, **kw)
 
 
-def _mechanism(clipping: str, clip_fn: str, secure_noise: bool, accountant: str, l2_norm_clip: float) -> dict:
-    """What the audit ran, as `jaxdp.training.receipt.record_audit` compares it with a run's receipt."""
-    if accountant not in accounting.ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {accounting.ACCOUNTANTS}, got {accountant!r}")
-    return {"clipping": clipping, "clip_fn": clip_fn, "secure_noise": bool(secure_noise),
-            "accountant": accountant, "l2_norm_clip": float(l2_norm_clip)}
+def _check_types(settings, settings_cls, claim) -> None:
+    if not isinstance(settings, settings_cls):
+        raise TypeError(f"settings must be a {settings_cls.__name__}, got {type(settings).__name__}: {settings!r}")
+    if not isinstance(claim, Claim):
+        raise TypeError(f"claim must be a Claim, got {type(claim).__name__}: {claim!r}")
 
 
-def _claim(target_epsilon, noise_multiplier, q, steps, delta, accountant) -> tuple[float, float]:
-    """(sigma, the claimed epsilon): sigma calibrated to `target_epsilon` unless given."""
-    sigma = (calibration.calibrate_noise_multiplier(target_epsilon, q, steps, delta, accountant=accountant)
-             if noise_multiplier is None else float(noise_multiplier))
-    return sigma, accounting.epsilon(sigma, q, steps, delta, accountant=accountant)
-
-
-def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: int = 4,
-                    sampling_probability: float = 1.0, target_epsilon: float = 2.0,
-                    noise_multiplier: float | None = None, delta: float = 1e-5, l2_norm_clip: float = 1.0,
-                    canary_norm: float | None = None, learning_rate: float = 1.0, bug: str = "none",
-                    ks=None, confidence: float = auditing.DEFAULT_CONFIDENCE, clipping: str = "flat",
-                    clip_fn: str = "abadi", secure_noise: bool = False, accountant: str = "pld",
+@old_keywords(settings=(WhiteBoxSettings, field_names(WhiteBoxSettings)), claim=(Claim, field_names(Claim)))
+def white_box_audit(*, settings: WhiteBoxSettings = WhiteBoxSettings(), claim: Claim = Claim(),
                     seed: int | None = None) -> WhiteBoxAudit:
     """Trains once with gradient canaries and returns the one-run audit's epsilon lower bound.
 
     Args:
-      num_canaries: m, canaries (each included with probability 1/2); the kernel has >= m entries.
-      num_examples: synthetic data records (Gaussian features, labels of a random teacher).
-      steps: DP-SGD steps.
-      sampling_probability: q, Poisson rate of every record (data and included canaries) per step.
-      target_epsilon: the epsilon the run claims, sigma calibrated to it (PLD) when
-        `noise_multiplier` is None.
-      noise_multiplier: sigma; 0 is no noise (the claim is then infinite).
-      delta: of the claim and of the audit.
-      l2_norm_clip: C.
-      canary_norm: norm of each canary's gradient; None: 10 C (> C, so that skipped clipping shows).
-      learning_rate: of optax.sgd.
-      bug: one of `BUGS`: a planted privacy bug the claim ignores.
-      ks: (k_plus, k_minus) guesses tried (union bound); None: `jaxdp.auditing.bound.default_guesses(m)`.
-      confidence: of the lower bound.
-      clipping, clip_fn, secure_noise: `jaxdp.fused_clip`'s, as the audited run has them.
-      accountant: of the claim ("pld" | "rdp").
+      settings: the canaries, the training, the planted bug and the bound's confidence (`WhiteBoxSettings`).
+      claim: the audited DP step and its claimed epsilon (`Claim`).
       seed: pins the inclusion, data, sampling and noise; None draws a secret one.
+
+    The keywords `settings` and `claim` replaced (`num_canaries=`, ..., `target_epsilon=`, ...) are still
+    accepted for one release, with a DeprecationWarning.
 
     Returns:
       A `WhiteBoxAudit`: `.audit.epsilon` is the bound, `.claimed_epsilon` the accountant's epsilon.
     """
-    if bug not in BUGS:
-        raise ValueError(f"bug must be one of {BUGS}, got {bug!r}")
-    for name, value in (("num_canaries", num_canaries), ("num_examples", num_examples), ("steps", steps)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if not 0 < sampling_probability <= 1:
-        raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}")
-    canary_norm = 10 * l2_norm_clip if canary_norm is None else canary_norm
+    _check_types(settings, WhiteBoxSettings, claim)
+    l2_norm_clip, bug, steps = claim.l2_norm_clip, settings.bug, settings.steps
+    canary_norm = 10 * l2_norm_clip if settings.canary_norm is None else settings.canary_norm
     if not canary_norm > 0:
         raise ValueError(f"canary_norm must be > 0, got {canary_norm!r}")
-    mechanism = _mechanism(clipping, clip_fn, secure_noise, accountant, l2_norm_clip)
-    q, m, n = float(sampling_probability), num_canaries, num_examples
-    sigma, claimed = _claim(target_epsilon, noise_multiplier, q, steps, delta, accountant)
+    mechanism = claim.mechanism()
+    q, m, n = float(settings.sampling_probability), settings.num_canaries, settings.num_examples
+    sigma, claimed = claim.noise_and_epsilon(q, steps)
     root = secret_seed() if seed is None else seed
     rng = np.random.default_rng(derive_seed(root, "audit_canaries"))  # the audit's own choices, not the DP step's
     included = auditing.draw_inclusion(m, rng)
@@ -187,8 +165,8 @@ def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: 
     model = _SoftmaxRegression(side, side, rngs=nnx.Rngs(int(rng.integers(2**31))))
     expected_batch_size = q * (n + m / 2)
     key = noise_key_from_seed(derive_seed(root, "audit_noise"))  # 256 bits, as the job's noise key
-    tx = optax.chain(_privatizer(bug, l2_norm_clip, sigma, expected_batch_size, key, mechanism),
-                     optax.sgd(learning_rate))
+    tx = optax.chain(_privatizer(claim, bug, sigma, expected_batch_size=expected_batch_size, key=key),
+                     optax.sgd(settings.learning_rate))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     kernel_before = np.asarray(model.linear.kernel[...])
     grads_fn = per_example_grads(_losses)
@@ -209,9 +187,10 @@ def white_box_audit(*, num_canaries: int = 2000, num_examples: int = 32, steps: 
     change = np.asarray(model.linear.kernel[...]) - kernel_before
     # <clipped canary gradient, total change>, negated: min(canary_norm, C) * -change[p_i, d_i].
     scores = -min(canary_norm, l2_norm_clip) * change[p_M, d_M]
-    audit = auditing.epsilon_lower_bound(scores, included, delta=delta, ks=ks, confidence=confidence)
+    audit = auditing.epsilon_lower_bound(scores, included, delta=claim.delta, ks=settings.ks,
+                                         confidence=settings.confidence)
     return WhiteBoxAudit(audit=audit, claimed_epsilon=claimed, noise_multiplier=sigma, sampling_probability=q,
-                         steps=steps, delta=delta, bug=bug, scores=scores, included=included,
+                         steps=steps, delta=claim.delta, bug=bug, scores=scores, included=included,
                          mechanism=mechanism, seed_pinned=seed is not None)
 
 
@@ -259,13 +238,10 @@ def _canary_losses(model, canaries, batch_size: int) -> np.ndarray:
     return np.concatenate(out)[:len(canaries)]
 
 
-def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, num_canaries: int = 256,
-                    steps: int = 100, batch_size: float = 32, target_epsilon: float = 2.0,
-                    noise_multiplier: float | None = None, delta: float = 1e-5, l2_norm_clip: float = 1.0,
-                    learning_rate: float = 3e-3, bug: str = "none", ks=None,
-                    confidence: float = auditing.DEFAULT_CONFIDENCE, clipping: str = "flat",
-                    clip_fn: str = "abadi", secure_noise: bool = False, accountant: str = "pld",
-                    overflow: str = "truncate", seed: int | None = None, progress=None) -> BlackBoxAudit:
+@old_keywords(settings=(BlackBoxSettings, field_names(BlackBoxSettings)), claim=(Claim, field_names(Claim)))
+def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *,
+                    settings: BlackBoxSettings = BlackBoxSettings(), claim: Claim = Claim(),
+                    seed: int | None = None, progress=None) -> BlackBoxAudit:
     """DP-Adam on `windows` plus random-token canaries, scored by their loss drop (black box).
 
     The canaries have the windows' length; the records (the n windows and the included
@@ -274,20 +250,20 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, 
     divided by q (n + m / 2). The claim is `jaxdp.accounting.epsilon(sigma, q, steps, delta)`
     (PLD; the truncation's slack, overflow probability < 1e-9 per step, is not added). Only the final
     model is used: the audit's score is each canary's mean next-token loss under the initial
-    model minus under the trained one. `bug` as in `white_box_audit`.
+    model minus under the trained one. `settings.bug` as in `white_box_audit`.
 
     Args:
       model: a `jaxdp.models` language model `model(tokens_BT) -> logits_BTV`; trained in place.
       windows: (n, T + 1) int token windows (the training data).
       vocab_size: of the canaries' uniform tokens.
-      overflow: the sampler's (`jaxdp.sampling.poisson.OVERFLOW_MODES`).
-      Other arguments as `white_box_audit`; `progress(step)` is called after every step.
+      settings: the canaries, the training, the planted bug and the bound's confidence (`BlackBoxSettings`).
+      claim, seed: as `white_box_audit`; `progress(step)` is called after every step.
 
     Returns:
       A `BlackBoxAudit`.
     """
-    if bug not in BUGS:
-        raise ValueError(f"bug must be one of {BUGS}, got {bug!r}")
+    _check_types(settings, BlackBoxSettings, claim)
+    num_canaries, steps, batch_size, bug = settings.num_canaries, settings.steps, settings.batch_size, settings.bug
     windows = np.asarray(windows)
     if windows.ndim != 2 or windows.shape[1] < 2:
         raise ValueError(f"windows must be (n, T + 1) tokens with T >= 1, got shape {windows.shape}")
@@ -299,13 +275,14 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, 
     canaries = random_token_canaries(m, windows.shape[1], vocab_size, rng)
     included = auditing.draw_inclusion(m, rng)
     records = np.concatenate([windows, canaries[included]]).astype(np.int32)
-    mechanism = _mechanism(clipping, clip_fn, secure_noise, accountant, l2_norm_clip)
+    mechanism = claim.mechanism()
     q = batch_size / (n + m / 2)
-    sigma, claimed = _claim(target_epsilon, noise_multiplier, q, steps, delta, accountant)
+    sigma, claimed = claim.noise_and_epsilon(q, steps)
     sampler = PoissonSampler(len(records), q * len(records), seed=derive_seed(root, "audit_sampler"),
-                             overflow=overflow)
+                             overflow=settings.overflow)
     key = noise_key_from_seed(derive_seed(root, "audit_noise"))  # 256 bits from the root, as the job's
-    tx = optax.chain(_privatizer(bug, l2_norm_clip, sigma, batch_size, key, mechanism), optax.adam(learning_rate))
+    tx = optax.chain(_privatizer(claim, bug, sigma, expected_batch_size=batch_size, key=key),
+                     optax.adam(settings.learning_rate))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     loss_before = _canary_losses(model, canaries, sampler.max_batch_size)
     grads_fn = per_example_grads(lm_losses)
@@ -322,9 +299,10 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *, 
             progress(s + 1)
     loss_after = _canary_losses(model, canaries, sampler.max_batch_size)
     scores = auditing.loss_drop_scores(loss_before, loss_after)
-    audit = auditing.epsilon_lower_bound(scores, included, delta=delta, ks=ks, confidence=confidence)
+    audit = auditing.epsilon_lower_bound(scores, included, delta=claim.delta, ks=settings.ks,
+                                         confidence=settings.confidence)
     return BlackBoxAudit(audit=audit, claimed_epsilon=claimed, noise_multiplier=sigma, sampling_probability=q,
-                         steps=steps, delta=delta, bug=bug, scores=scores, included=included,
+                         steps=steps, delta=claim.delta, bug=bug, scores=scores, included=included,
                          canaries=canaries, loss_before=loss_before, loss_after=loss_after,
                          mechanism=mechanism, seed_pinned=seed is not None)
 
