@@ -69,7 +69,8 @@ def test_too_long_sequence_is_rejected():
     (dict(n_layer=0), "n_layer"), (dict(n_kv_head=0), "n_kv_head"), (dict(d_model=30, n_head=4), "n_head"),
     (dict(n_head=4, n_kv_head=3, d_model=64), "n_kv_head"), (dict(dtype="fp8"), "dtype"),
     (dict(rope_theta=0.0), "rope_theta"), (dict(rope_scaling=0.5), "rope_scaling"),
-    (dict(rms_norm_eps=0.0), "rms_norm_eps")])
+    (dict(rms_norm_eps=0.0), "rms_norm_eps"), (dict(head_dim=7), "head_dim"), (dict(qk_norm=1), "qk_norm"),
+    (dict(sliding_window=0), "sliding_window")])
 def test_bad_config(kwargs, name):
     with pytest.raises(ValueError, match=name):
         LlamaConfig(**kwargs)

@@ -9,6 +9,20 @@ The output head is a separate `jaxdp.core.nn.Linear` (untied) unless
 embedding's `attend` is the head. Every parameter has a per-example gradient
 rule, so `jaxdp.per_example_grads` needs no fallback.
 
+Three families are this model with a switch (`LlamaConfig.family` names the
+one a checkpoint came from; the switches carry the math):
+
+  Mistral   `sliding_window=w`: query t attends to keys t - w + 1 .. t only
+            (HF's `kv_idx > q_idx - sliding_window` on top of the causal mask);
+  Qwen2     `qkv_bias=True`: q, k and v projections with biases (o has none);
+  Qwen3     `qk_norm=True`: a per-head RMSNorm of q and of k (one (head_dim,)
+            scale each, shared by the heads) before RoPE; `head_dim` set apart
+            from d_model / n_head (Qwen3 0.6B: 1024 / 16 with 128-wide heads).
+
+The biases are `Linear` biases (per-example gradient `sum_t g`) and the q / k
+norms are `RMSNorm`s over the last axis of (B, T, heads, head_dim), whose
+rule `sum_{t, heads} xhat * g` is the gradient of the shared scale.
+
 Context parallelism: called with `seq_axis=axis` (inside a shard_map; the
 sharded train step's loss passes it) the tokens are one shard of the
 sequence; positions are offset by the shard index, and attention
@@ -31,6 +45,7 @@ from jaxdp.core import sequence_shards as context
 from jaxdp.models import attention
 from jaxdp.models.remat import remat_block, remat_policy
 
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # `LlamaConfig.family`: the HF model_types of this model
 PRESETS = {
     # name: (n_layer, n_head, n_kv_head, d_model, d_ff, tie_embeddings, rope_scaling)
     "tiny": (2, 4, 2, 64, 128, False, None),
@@ -56,17 +71,34 @@ class LlamaConfig:
     dtype: str = "float32"         # compute dtype: "float32" | "bfloat16"; parameters stay float32
     remat: bool | str = "none"     # per-block activation checkpointing: "none" | "dots" | "full" (True: "full")
     attention: str = "auto"        # "auto" (cuDNN on GPU for bf16, XLA otherwise) | "xla" | "cudnn"
+    # width of a head; None: d_model // n_head, resolved to that number (dataclasses.replace of d_model or
+    # n_head: pass head_dim=None too)
+    head_dim: int | None = None
+    qkv_bias: bool = False         # biases on the q, k, v projections (Qwen2)
+    qk_norm: bool = False          # per-head RMSNorm of q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # keys t - w + 1 .. t only (Mistral); None: every earlier key
+    family: str = "llama"          # the HF model_type this model is a checkpoint of (`FAMILIES`): names, no math
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LlamaConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.n_head:
-            raise ValueError(f"LlamaConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.head_dim is None:
+            if self.d_model % self.n_head:
+                raise ValueError(f"LlamaConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head}) "
+                                 "unless head_dim is set")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_head)
+        if not _is_count(self.head_dim) or self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim must be an even integer >= 2 for RoPE, got {self.head_dim!r}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"LlamaConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
-        if (self.d_model // self.n_head) % 2:
-            raise ValueError(f"LlamaConfig.d_model // n_head must be even for RoPE, got {self.d_model // self.n_head}")
+        if self.sliding_window is not None and not _is_count(self.sliding_window):
+            raise ValueError(f"LlamaConfig.sliding_window must be None or an integer >= 1, got {self.sliding_window!r}")
+        for name in ("qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LlamaConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"LlamaConfig.family must be one of {FAMILIES}, got {self.family!r}")
         if self.rope_theta <= 0:
             raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta}")
         if self.rope_scaling is not None and self.rope_scaling < 1:
@@ -90,15 +122,16 @@ class LlamaConfig:
                                d_ff=d_ff, tie_embeddings=tie, rope_scaling=scaling), **overrides))
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
     def num_params(self) -> int:
-        d, kv = self.d_model, self.n_kv_head * self.head_dim
-        block = 2 * d + 2 * d * d + 2 * d * kv + 3 * d * self.d_ff
+        d, q, kv = self.d_model, self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        block = 2 * d + 2 * d * q + 2 * d * kv + 3 * d * self.d_ff
+        block += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.n_layer * block + d + head
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def rope_frequencies(config: LlamaConfig) -> jax.Array:
@@ -131,21 +164,28 @@ class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         d, dtype, H = config.d_model, jnp.dtype(config.dtype), config.head_dim
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, H
-        self.implementation = config.attention
-        linear = lambda i, o: nn.Linear(i, o, use_bias=False, dtype=dtype, rngs=rngs)
+        self.implementation, self.window = config.attention, config.sliding_window
+        linear = lambda i, o: nn.Linear(i, o, use_bias=config.qkv_bias, dtype=dtype, rngs=rngs)
         self.q_proj = linear(d, config.n_head * H)
         self.k_proj = linear(d, config.n_kv_head * H)
         self.v_proj = linear(d, config.n_kv_head * H)
         self.o_proj = nn.Linear(config.n_head * H, d, use_bias=False, dtype=dtype, rngs=rngs,
                                 kernel_init=nnx.initializers.normal(0.02 / math.sqrt(2 * config.n_layer)))
+        norm = lambda: nn.RMSNorm(H, epsilon=config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
+        self.q_norm, self.k_norm = norm(), norm()
 
     def __call__(self, x_BTD, positions_T, inv_freq, seq_axis):
         B, T, _ = x_BTD.shape
-        q_BTNH = apply_rope(self.q_proj(x_BTD).reshape(B, T, self.n_head, self.head_dim), positions_T, inv_freq)
-        k_BTKH = apply_rope(self.k_proj(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim), positions_T, inv_freq)
+        q_BTNH = self.q_proj(x_BTD).reshape(B, T, self.n_head, self.head_dim)
+        k_BTKH = self.k_proj(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
         v_BTKH = self.v_proj(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: over each head's width, before RoPE
+            q_BTNH = self.q_norm(q_BTNH)
+        if self.k_norm is not None:
+            k_BTKH = self.k_norm(k_BTKH)
+        q_BTNH, k_BTKH = apply_rope(q_BTNH, positions_T, inv_freq), apply_rope(k_BTKH, positions_T, inv_freq)
         y_BTNH = attention.causal_attention(q_BTNH, k_BTKH, v_BTKH, positions_T, implementation=self.implementation,
-                                            seq_axis=seq_axis)
+                                            seq_axis=seq_axis, window=self.window)
         return self.o_proj(y_BTNH.reshape(B, T, self.n_head * self.head_dim))
 
 
