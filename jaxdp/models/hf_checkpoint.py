@@ -29,6 +29,10 @@ SAVE_DTYPES = ("float32", "bfloat16", "float16")
 FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")  # what a weight may be stored as
 # {HF tensor name: (our parameter path, whether HF stores it transposed: torch's Linear (out, in))}
 Names = dict[str, tuple[tuple, bool]]
+# {transformers class in config.json's `architectures`: the model_type it is a checkpoint of}
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+MODEL_TYPES = tuple(dict.fromkeys(ARCHITECTURES.values()))  # what jaxdp loads: gpt2, llama, mistral, qwen2, qwen3
 
 
 def read_config(path: str) -> dict:
@@ -44,6 +48,31 @@ def read_config(path: str) -> dict:
     if not isinstance(hf, dict):
         raise ValueError(f"{file}: expected a JSON object")
     return hf
+
+
+def model_type(hf: dict, source: str, default: str | None = None) -> str:
+    """The checkpoint's family: `model_type`, or the one its `architectures` name when it has none (else
+    `default`); ValueError naming `source` for a family jaxdp does not load, an `architectures` list naming
+    another family's class, or neither key (without a default)."""
+    kind, architectures = hf.get("model_type"), hf.get("architectures")
+    if architectures is not None and (not isinstance(architectures, list)
+                                      or not all(isinstance(a, str) for a in architectures)):
+        raise ValueError(f"{source}: architectures={architectures!r} must be a list of class names")
+    named = sorted({ARCHITECTURES[a] for a in architectures or () if a in ARCHITECTURES})
+    if kind is None:
+        if len(named) == 1:
+            kind = named[0]
+        elif default is not None and not named:
+            kind = default
+        else:
+            raise ValueError(f"{source}: no model_type, and architectures={architectures!r} names no one class of "
+                             f"{sorted(ARCHITECTURES)}")
+    if kind not in MODEL_TYPES:
+        raise ValueError(f"{source}: model_type={kind!r} is not supported; jaxdp loads {MODEL_TYPES}")
+    if any(n != kind for n in named):
+        raise ValueError(f"{source}: architectures={architectures!r} is a checkpoint of {named}, but "
+                         f"model_type={kind!r}")
+    return kind
 
 
 class ConfigReader:
