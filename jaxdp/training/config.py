@@ -44,6 +44,9 @@ MODEL_FIELDS = {
     "llama": ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_seq_len",
               "rope_theta", "rope_scaling", "tie_embeddings"),
 }
+# Fields of `config.model` that may be absent, and their value then: LlamaConfig's switches (Mistral's window,
+# Qwen2's q/k/v biases, Qwen3's q/k norms and head width), set by fine-tuning from the checkpoint's config.json.
+MODEL_OPTIONAL = {"gpt2": {}, "llama": {"head_dim": None, "qkv_bias": False, "qk_norm": False, "sliding_window": None}}
 
 
 def model_config(model: Mapping, vocab_size: int, *, dtype: str,
@@ -53,8 +56,10 @@ def model_config(model: Mapping, vocab_size: int, *, dtype: str,
                   n_head=model["n_head"], d_model=model["d_model"], dtype=dtype, remat=remat)
     if model["family"] == "gpt2":
         return GPT2Config(mlp_ratio=model["mlp_ratio"], **common)
+    switches = {name: model.get(name, default) for name, default in MODEL_OPTIONAL["llama"].items()}
     return LlamaConfig(n_kv_head=model["n_kv_head"], d_ff=model["d_ff"], rope_theta=float(model["rope_theta"]),
-                       rope_scaling=model["rope_scaling"], tie_embeddings=model["tie_embeddings"], **common)
+                       rope_scaling=model["rope_scaling"], tie_embeddings=model["tie_embeddings"], **switches,
+                       **common)
 
 
 def build_model(config: GPT2Config | LlamaConfig, seed: int) -> nnx.Module:
@@ -101,7 +106,7 @@ def _validate_model(config) -> None:
     missing = [f for f in fields if f not in m]
     _require(not missing, f"config.model.family={family!r} needs config.model.{{{', '.join(missing)}}} "
                           f"(start from experiments/configs/{'default' if family == 'gpt2' else 'llama_tiny'}.py)")
-    extra = sorted(set(m.keys()) - set(fields) - {"family"})
+    extra = sorted(set(m.keys()) - set(fields) - set(MODEL_OPTIONAL[family]) - {"family"})
     _require(not extra, f"config.model.{{{', '.join(extra)}}} does not apply to config.model.family={family!r}")
     for name in fields:
         if name not in ("rope_theta", "rope_scaling", "tie_embeddings"):
@@ -109,13 +114,20 @@ def _validate_model(config) -> None:
     _require(config.seq_len <= m.max_seq_len,
              f"config.seq_len ({config.seq_len}) is longer than the model's maximum sequence "
              f"length config.model.max_seq_len ({m.max_seq_len})")
-    _require(m.d_model % m.n_head == 0,
+    head_dim = m.get("head_dim")
+    for name in ("head_dim", "sliding_window"):
+        _require(m.get(name) is None or (isinstance(m[name], int) and not isinstance(m[name], bool) and m[name] >= 1),
+                 f"config.model.{name} must be None or an integer >= 1, got {m.get(name)!r}")
+    for name in ("qkv_bias", "qk_norm"):
+        _require(isinstance(m.get(name, False), bool), f"config.model.{name} must be True or False, got {m.get(name)!r}")
+    _require(head_dim is not None or m.d_model % m.n_head == 0,
              f"config.model.d_model ({m.d_model}) must be divisible by config.model.n_head ({m.n_head})")
     if family == "llama":
         _require(m.n_head % m.n_kv_head == 0,
                  f"config.model.n_head ({m.n_head}) must be divisible by config.model.n_kv_head ({m.n_kv_head})")
-        _require((m.d_model // m.n_head) % 2 == 0,
-                 f"config.model.d_model // config.model.n_head ({m.d_model // m.n_head}) must be even for RoPE")
+        head_dim = head_dim or m.d_model // m.n_head
+        _require(head_dim % 2 == 0, f"config.model's head width ({head_dim}: head_dim, or d_model // n_head) must "
+                                    "be even for RoPE")
         _require(isinstance(m.rope_theta, (int, float)) and m.rope_theta > 0 and math.isfinite(m.rope_theta),
                  f"config.model.rope_theta must be > 0, got {m.rope_theta!r}")
         _require(m.rope_scaling is None or (isinstance(m.rope_scaling, (int, float)) and m.rope_scaling >= 1),

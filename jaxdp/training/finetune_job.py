@@ -2,7 +2,9 @@
 
 `prepare(config)` (config: `experiments/configs/finetune.py`) resolves
 `config.finetune.init`, a run directory of `experiments.pretrain_gpt2` or a
-local Hugging Face GPT-2 or Llama checkpoint directory, into the run's model
+local Hugging Face checkpoint directory (GPT-2, or Llama, Mistral, Qwen2, Qwen3:
+`jaxdp.models.hf_checkpoint.MODEL_TYPES`, the latter four as `config.model.family`
+"llama" with their switches), into the run's model
 shape (`config.model`) and tokenizer (`config.data.tokenizer`, the one the
 weights were trained with: the init run's `tokenizer/`, "gpt2" for HF GPT-2
 weights, the checkpoint directory's `tokenizer.json` for Llama), checks the
@@ -60,7 +62,7 @@ from jaxdp.training.run_dir import (
 )
 
 FROM_INIT = "init"  # config.model.family / config.data.tokenizer of the finetune config: taken from init
-HF_FAMILIES = ("gpt2", "llama")  # the model_type values of an HF checkpoint the job loads
+HF_FAMILIES = hf_checkpoint.MODEL_TYPES  # the model_type values of an HF checkpoint the job loads
 # config.finetune fields passed to `jaxdp.finetune.methods.prepare` (the others: init, method, loss_after,
 # accuracy_examples).
 METHOD_ARGS = ("rank", "alpha", "lora_targets", "bottleneck", "adapter_targets", "train_layer_norms",
@@ -123,7 +125,8 @@ def _init_model_and_tokenizer(init: str, kind: str) -> tuple[dict, str]:
                           "as tokenizer.json (HF's fast tokenizer, saved beside the weights)")
     return {"family": "llama", "n_layer": c.n_layer, "n_head": c.n_head, "n_kv_head": c.n_kv_head,
             "d_model": c.d_model, "d_ff": c.d_ff, "max_seq_len": c.seq_len, "rope_theta": c.rope_theta,
-            "rope_scaling": c.rope_scaling, "tie_embeddings": c.tie_embeddings}, str(path.resolve())
+            "rope_scaling": c.rope_scaling, "tie_embeddings": c.tie_embeddings, "head_dim": c.head_dim,
+            "qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "sliding_window": c.sliding_window}, str(path.resolve())
 
 
 def method_kwargs(config) -> dict:
