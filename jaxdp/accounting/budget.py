@@ -1,7 +1,10 @@
-"""A DP-SGD run's privacy budget: `BudgetTracker` counts steps and refuses the one that would exceed it.
+"""A run's privacy budget: `BudgetTracker` counts steps and refuses the one that would exceed it.
 
 The privacy spent by `steps` steps is `jaxdp.accounting.epsilon` (host-side,
-no jax); the tracker adds the step count, the stop before the target epsilon
+no jax) of the Poisson-subsampled Gaussian composed over the run's rounds:
+one per step for DP-SGD, one per `cycle_length` steps for amplified BandMF
+(`jaxdp.accounting.mechanisms`, whose `MechanismAccounting` `BudgetTracker.of`
+reads); the tracker adds the step count, the stop before the target epsilon
 and a JSON-serialisable state for checkpoints. The training loop
 (`jaxdp.training.loop`) keeps one per run.
 
@@ -21,15 +24,16 @@ from typing import Any
 
 from jaxdp.accounting import accountant as accounting
 from jaxdp.accounting import calibration
+from jaxdp.accounting import mechanisms
 
 
 class BudgetTracker:
-    """Counts DP-SGD steps and refuses the step that would exceed the budget.
+    """Counts steps and refuses the step that would exceed the budget.
 
     The tracker holds no RNG or accountant state: the privacy spent is a
-    function of (noise_multiplier, sampling_probability, delta, steps), so
-    `state_dict()` is a small JSON-serialisable dict and a restored tracker
-    reports exactly the same epsilon.
+    function of (noise_multiplier, sampling_probability, delta, steps,
+    cycle_length), so `state_dict()` is a small JSON-serialisable dict and a
+    restored tracker reports exactly the same epsilon.
 
     With a `target_epsilon`, the step budget `max_steps` =
     `steps_for_epsilon(target_epsilon, ...)` is computed once, on the first
@@ -44,6 +48,9 @@ class BudgetTracker:
       target_epsilon: budget, > 0, or None for no limit (tracking only).
       accountant: "pld" (default) or "rdp", as in `accounting.epsilon`.
       value_discretization_interval: PLD only, as in `accounting.epsilon`.
+      cycle_length: steps per composition, >= 1: 1 for DP-SGD; the bands b for amplified BandMF, whose
+        s steps are ceil(s / b) rounds at the group's sampling probability
+        (`jaxdp.accounting.mechanisms.MechanismAccounting.rounds`; build it with `BudgetTracker.of`).
 
     Example::
 
@@ -68,6 +75,7 @@ class BudgetTracker:
         target_epsilon: float | None = None,
         accountant: str = "pld",
         value_discretization_interval: float = accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+        cycle_length: int = 1,
     ):
         self.noise_multiplier = accounting._check_noise_multiplier(noise_multiplier)
         self.sampling_probability = accounting._check_sampling_probability(sampling_probability)
@@ -77,9 +85,26 @@ class BudgetTracker:
         accounting._check_accountant(accountant, value_discretization_interval)
         self.accountant = accountant
         self.value_discretization_interval = float(value_discretization_interval)
+        self.cycle_length = accounting._check_count("cycle_length", cycle_length)
+        if self.cycle_length < 1:
+            raise ValueError(f"cycle_length must be an integer >= 1, got {cycle_length!r}")
         self._steps = 0
         self._epsilon_cache: tuple[int, float] | None = None  # (steps, epsilon)
         self._max_steps: int | None = None
+
+    @classmethod
+    def of(cls, run: mechanisms.MechanismAccounting, noise_multiplier: float, delta: float, *,
+           target_epsilon: float | None = None, accountant: str = "pld",
+           value_discretization_interval: float = accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL) -> BudgetTracker:
+        """The tracker of a run accounted as `run` ("dpsgd" or "bandmf"): its epsilon after s steps is
+        `mechanisms.epsilon_for(run with steps=s, noise_multiplier, delta)`. "blt" is one Gaussian release
+        over the whole run, which no step count stops: refused (ValueError)."""
+        if run.kind == "blt":
+            raise ValueError("BudgetTracker counts rounds of a subsampled Gaussian (dpsgd, bandmf); a 'blt' run is "
+                             "one release of the whole run: account it with jaxdp.accounting.mechanisms.epsilon_for")
+        return cls(noise_multiplier, run.sampling_probability, delta, target_epsilon=target_epsilon,
+                   accountant=accountant, value_discretization_interval=value_discretization_interval,
+                   cycle_length=run.cycle_length)
 
     @property
     def steps(self) -> int:
@@ -91,11 +116,11 @@ class BudgetTracker:
         """Total steps the budget allows (None without a target_epsilon)."""
         if self.target_epsilon is None:
             return None
-        if self._max_steps is None:
-            self._max_steps = calibration.steps_for_epsilon(
+        if self._max_steps is None:  # R rounds allow the steps s with ceil(s / cycle_length) <= R
+            self._max_steps = self.cycle_length * calibration.steps_for_epsilon(
                 self.target_epsilon, self.noise_multiplier, self.sampling_probability,
                 self.delta, accountant=self.accountant,
-                max_steps=self._BUDGET_SEARCH_LIMIT,
+                max_steps=self._BUDGET_SEARCH_LIMIT // self.cycle_length,
                 value_discretization_interval=self.value_discretization_interval)
         return self._max_steps
 
@@ -122,7 +147,8 @@ class BudgetTracker:
         self._steps += n
 
     def state_dict(self) -> dict[str, Any]:
-        """The constructor arguments and the step count, JSON-serialisable."""
+        """The constructor arguments and the step count, JSON-serialisable (`cycle_length` only when it is
+        not 1: a DP-SGD run's checkpoint is as before)."""
         return {
             "noise_multiplier": self.noise_multiplier,
             "sampling_probability": self.sampling_probability,
@@ -131,6 +157,7 @@ class BudgetTracker:
             "accountant": self.accountant,
             "value_discretization_interval": self.value_discretization_interval,
             "steps": self._steps,
+            **({} if self.cycle_length == 1 else {"cycle_length": self.cycle_length}),
         }
 
     @classmethod
@@ -140,16 +167,19 @@ class BudgetTracker:
             state["noise_multiplier"], state["sampling_probability"], state["delta"],
             target_epsilon=state["target_epsilon"], accountant=state["accountant"],
             value_discretization_interval=state.get(
-                "value_discretization_interval", accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL))
+                "value_discretization_interval", accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL),
+            cycle_length=state.get("cycle_length", 1))
         tracker._steps = accounting._check_count("steps", state["steps"])
         return tracker
 
     def _epsilon_at(self, steps: int) -> float:
-        return accounting._epsilon(self.noise_multiplier, self.sampling_probability, steps,
+        rounds = -(-steps // self.cycle_length)
+        return accounting._epsilon(self.noise_multiplier, self.sampling_probability, rounds,
                                    self.delta, self.accountant, self.value_discretization_interval)
 
     def __repr__(self) -> str:
         return (f"BudgetTracker(noise_multiplier={self.noise_multiplier}, "
                 f"sampling_probability={self.sampling_probability}, delta={self.delta}, "
                 f"target_epsilon={self.target_epsilon}, accountant={self.accountant!r}, "
-                f"steps={self._steps})")
+                f"steps={self._steps}" + ("" if self.cycle_length == 1 else f", cycle_length={self.cycle_length}")
+                + ")")
