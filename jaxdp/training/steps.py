@@ -24,6 +24,8 @@ from jaxdp.core.per_example import per_example_grads
 from jaxdp.core.terms import group_examples
 from jaxdp.data import windows as data_lib
 from jaxdp.noise import draws as noise_lib
+from jaxdp.noise.mechanisms import DPSGD
+from jaxdp.noise.privatizer import NoiseState
 from jaxdp.sharding import processes
 
 # ------------------------------------------------------------------ losses
@@ -50,28 +52,35 @@ class AdamWPlan:
                    config.b2, config.weight_decay, accumulation_steps or config.accumulation_steps)
 
 
-def dp_settings(config, noise_multiplier: float, expected_batch_size: float) -> tuple[DPSpec, NormPlan]:
-    """The run's release (`config.dp` with the calibrated sigma) and norm plan, as the library takes them."""
+def dp_settings(config, noise_multiplier: float, expected_batch_size: float,
+                mechanism=DPSGD()) -> tuple[DPSpec, NormPlan]:
+    """The run's release (`config.dp` with the calibrated sigma and the noise `mechanism`,
+    `jaxdp.training.noise_choice`) and norm plan, as the library takes them."""
     dp = config.dp
     return (DPSpec(dp.l2_norm_clip, float(noise_multiplier), float(expected_batch_size),
-                   ClipSpec(dp.clipping, dp.clip_fn), dp.secure_noise),
+                   ClipSpec(dp.clipping, dp.clip_fn), dp.secure_noise, mechanism),
             NormPlan("auto" if dp.strategy == "reference" else dp.strategy))
 
 
-def _tx_of(config, noise_multiplier: float, expected_batch_size: float, accumulation_steps: int | None):
-    dp, norms = dp_settings(config, noise_multiplier, expected_batch_size) if config.dp.enabled else (None, NormPlan())
+def _tx_of(config, noise_multiplier: float, expected_batch_size: float, accumulation_steps: int | None,
+           mechanism=DPSGD()):
+    dp, norms = (dp_settings(config, noise_multiplier, expected_batch_size, mechanism) if config.dp.enabled
+                 else (None, NormPlan()))
     return _make_tx(AdamWPlan.of(config, accumulation_steps), dp, norms)
 
 
 def make_optimizer(config, model: nnx.Module, *, noise_multiplier: float, expected_batch_size: float,
-                   noise_key: jax.Array | None, accumulation_steps: int | None = None) -> nnx.Optimizer:
+                   noise_key: jax.Array | None, accumulation_steps: int | None = None,
+                   mechanism=DPSGD()) -> nnx.Optimizer:
     """adamw (wrapped in MultiSteps when accumulating), behind `fused_clip` when DP is on.
 
     `noise_key`: the run's noise key (required with DP), written into fused_clip's state.
     `accumulation_steps`: micro-batches per logical batch (default config.accumulation_steps).
+    `mechanism`: the noise mechanism (`jaxdp.noise.mechanisms`: DP-SGD, or BandMF, whose buffers are
+    optimizer state, zero at the start).
     """
     dp = config.dp
-    tx = _tx_of(config, noise_multiplier, expected_batch_size, accumulation_steps)
+    tx = _tx_of(config, noise_multiplier, expected_batch_size, accumulation_steps, mechanism)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     if dp.enabled:
         if noise_key is None:
@@ -80,13 +89,27 @@ def make_optimizer(config, model: nnx.Module, *, noise_multiplier: float, expect
     return optimizer
 
 
-def noise_key_variable(optimizer: nnx.Optimizer) -> nnx.Variable:
-    """The noise key of `fused_clip`'s state in `optimizer`, wherever its chain holds it (the run's secret)."""
+def _noise_state(optimizer: nnx.Optimizer):
+    """`fused_clip`'s noise state in `optimizer`, wherever its chain holds it: the key's Variable (DP-SGD), or
+    NoiseState(key's Variable, [buffers' Variables]) (a correlated mechanism)."""
     states = jax.tree.leaves(optimizer.opt_state, is_leaf=lambda x: isinstance(x, FusedClipState))
     found = [s.noise_key for s in states if isinstance(s, FusedClipState)]
     if len(found) != 1:
         raise ValueError(f"expected one fused_clip state in the optimizer, found {len(found)}")
     return found[0]
+
+
+def noise_key_variable(optimizer: nnx.Optimizer) -> nnx.Variable:
+    """The noise key of `fused_clip`'s state in `optimizer`, wherever its chain holds it (the run's secret)."""
+    state = _noise_state(optimizer)
+    return state.key if isinstance(state, NoiseState) else state
+
+
+def noise_buffer_variables(optimizer: nnx.Optimizer) -> list[nnx.Variable]:
+    """A correlated mechanism's buffers in `fused_clip`'s state (one float32 Variable per parameter leaf, the
+    past noise: as secret as the key); [] for DP-SGD. Checkpointed with the rest of the optimizer state."""
+    state = _noise_state(optimizer)
+    return list(state.buffers) if isinstance(state, NoiseState) else []
 
 
 # Cached: the transformation is stateless, and reusing the same object keeps the
@@ -107,14 +130,16 @@ def _make_tx(adamw_plan: AdamWPlan, dp: DPSpec | None, norms: NormPlan = NormPla
     return optax.chain(
         fused_clip(dp.l2_norm_clip, dp.noise_multiplier, expected_batch_size=dp.expected_batch_size,
                    key=noise_lib.noise_key_from_seed(0), accumulation_steps=k, secure_noise=dp.secure_noise,
-                   clip=dp.clip, norms=norms),
+                   clip=dp.clip, norms=norms, mechanism=dp.mechanism),
         inner)
 
 
-def compiled_step_bytes(config, model: nnx.Module, micro_batch: int, accumulation_steps: int) -> int:
+def compiled_step_bytes(config, model: nnx.Module, micro_batch: int, accumulation_steps: int,
+                        mechanism=DPSGD()) -> int:
     """Bytes of the job's single-device step compiled for `micro_batch` privacy units (shapes only, nothing
-    runs): arguments + outputs + temporaries - aliased, from XLA's `memory_analysis()`."""
-    tx = _tx_of(config, 1.0, float(config.batch_size), accumulation_steps)
+    runs): arguments + outputs + temporaries - aliased, from XLA's `memory_analysis()`; the noise
+    `mechanism`'s buffers included."""
+    tx = _tx_of(config, 1.0, float(config.batch_size), accumulation_steps, mechanism)
     optimizer = nnx.eval_shape(lambda: nnx.Optimizer(model, tx, wrt=nnx.Param))
     k_unit = config.privacy.windows_per_unit
     windows = micro_batch * k_unit
@@ -184,16 +209,18 @@ class ShardedTrainer:
     The model and the `nnx.Optimizer` (the chain fused_clip -> adamw) stay the
     host-side record used for evaluation and checkpoints; `sync()` writes the
     sharded state back into them (parameters, adamw state, the noise key of
-    fused_clip's state, the step count), `load()` reads it from them (after a
-    restore). The noise key and adamw see the same values as in the
-    single-device step, so the run equals it up to summation order.
+    fused_clip's state and a correlated mechanism's buffers, the step count),
+    `load()` reads it from them (after a restore). The noise key and adamw see
+    the same values as in the single-device step, so the run equals it up to
+    summation order (and, under ZeRO 2/3, up to the noise: a device draws its
+    block of a sharded leaf's noise, and keeps that block of its buffers).
     """
 
-    def __init__(self, config, model, optimizer, noise_multiplier: float):
+    def __init__(self, config, model, optimizer, noise_multiplier: float, mechanism=DPSGD()):
         from jaxdp import sharding
         self.model, self.optimizer = model, optimizer
         mesh = sharding.make_mesh(config.mesh.data, config.mesh.seq)
-        dp, norms = dp_settings(config, noise_multiplier, float(config.batch_size))
+        dp, norms = dp_settings(config, noise_multiplier, float(config.batch_size), mechanism)
         inner = _make_tx(AdamWPlan.of(config, 1), None)  # the step clips and noises; adamw after it
         self.step = sharding.ShardedDPStep(  # the run's noise key, from fused_clip's state in `optimizer`
             cp_lm_losses, inner, mesh, dp, key=noise_key_variable(optimizer).get_value(),
@@ -211,8 +238,11 @@ class ShardedTrainer:
         state = self.step.init(self.model)
         values = [v.get_value() for v in self._adam_variables()]
         opt_state = jax.tree.unflatten(jax.tree.structure(state.opt_state), values)
-        noise_key = noise_key_variable(self.optimizer).get_value()
-        self.state = processes.put(state._replace(opt_state=opt_state, noise_key=noise_key), self.step.state_shardings)
+        noise = noise_key = noise_key_variable(self.optimizer).get_value()
+        buffers = noise_buffer_variables(self.optimizer)
+        if buffers:  # a correlated mechanism: its buffers, laid out by the step like the gradients
+            noise = NoiseState(noise_key, [b.get_value() for b in buffers])
+        self.state = processes.put(state._replace(opt_state=opt_state, noise_key=noise), self.step.state_shardings)
 
     def sync(self):
         state = processes.fetch(self.state)  # also the parts sharded over other processes' devices
@@ -221,7 +251,12 @@ class ShardedTrainer:
         assert len(variables) == len(values)
         for var, value in zip(variables, values):
             var.set_value(jnp.asarray(value))
-        noise_key_variable(self.optimizer).set_value(state.noise_key)
+        noise = state.noise_key
+        if isinstance(noise, NoiseState):
+            for var, value in zip(noise_buffer_variables(self.optimizer), noise.buffers, strict=True):
+                var.set_value(jnp.asarray(value))
+            noise = noise.key
+        noise_key_variable(self.optimizer).set_value(noise)
 
     def __call__(self, batch) -> jax.Array:
         """One step; the sum of the batch's losses, left on the device (the loop reads it at log time)."""
