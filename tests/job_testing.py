@@ -41,7 +41,12 @@ def tiny_config(corpus, workdir, base=default, **overrides):
     c = base.get_config()
     settings = dict(TINY, **{"workdir": str(workdir), "data.path": str(corpus),
                              "data.cache_dir": str(pathlib.Path(corpus).parent / "cache")})
-    settings.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return with_settings(c, settings, overrides)
+
+
+def with_settings(c, settings: dict, overrides: dict):
+    """`c` with each dotted key of `settings`, then of `overrides` ("a__b": a.b), set in place."""
+    settings = dict(settings, **{k.replace("__", "."): v for k, v in overrides.items()})
     for key, value in settings.items():
         node = c
         *parents, leaf = key.split(".")

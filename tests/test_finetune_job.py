@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from job_testing import with_settings
 
 from experiments.configs import finetune as finetune_config
 from jaxdp import training
@@ -126,14 +127,7 @@ def config_of(task, init, workdir, **overrides):
     c = finetune_config.get_config()
     settings = dict(TINY, workdir=str(workdir), **{"data.path": str(task[0]), "finetune.init": str(init),
                                                    "data.cache_dir": str(pathlib.Path(task[0]).parent / "cache")})
-    settings.update({k.replace("__", "."): v for k, v in overrides.items()})
-    for key, value in settings.items():
-        *parents, leaf = key.split(".")
-        node = c
-        for p in parents:
-            node = node[p]
-        setattr(node, leaf, value)
-    return c
+    return with_settings(c, settings, overrides)
 
 
 def run_job(config, **kw):
