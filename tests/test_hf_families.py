@@ -387,3 +387,26 @@ def test_sliding_window_under_context_parallelism():
     np.testing.assert_allclose(sharded, whole, rtol=1e-6, atol=1e-6)
     unwindowed = attention.causal_attention(q, k, v, jnp.arange(16), implementation="xla")
     assert np.abs(np.asarray(unwindowed - whole)).max() > 1e-3
+
+
+def test_bitfit_trains_the_qwen2_biases(tmp_path):
+    """bitfit on Qwen2: the q/k/v biases alone train, their per-example gradients (a Linear's bias term with
+    its kernel frozen) equal the vmap reference with no fallback."""
+    from jaxdp.finetune import methods as finetune
+
+    model = jaxdp.load_hf(write_hf_checkpoint(tmp_path, random_hf_tensors(CONFIGS["qwen2"], seed=13),
+                                              CONFIGS["qwen2"]))
+    finetune.prepare(model, "bitfit", rngs=nnx.Rngs(0))
+    assert sorted(finetune.trainable_paths(model)) == sorted(
+        ("blocks", i, "attn", proj, "bias") for i in range(N_LAYER) for proj in ("q_proj", "k_proj", "v_proj"))
+    batch = lm_batch(seed=14, B=4, T=10, vocab_size=VOCAB)
+
+    @nnx.jit
+    def both(model, batch):
+        _, grads = jaxdp.per_example_grads(lm_loss, fallback=False)(model, batch)
+        _, ref = jaxdp.core.reference.per_example_grads(lm_loss, model, batch)
+        return {tuple(p): sum(terms.instantiate(t) for t in v.get_value().terms)
+                for p, v in nnx.to_flat_state(grads)}, ref
+
+    fast, ref = jax.device_get(both(model, batch))
+    assert max_rel_err(fast, ref) <= RTOL
