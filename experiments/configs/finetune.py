@@ -34,8 +34,9 @@ def get_config() -> config_dict.ConfigDict:
 
         c.finetune = config_dict.ConfigDict()
         c.finetune.init = config_dict.placeholder(str)  # REQUIRED: a pretrain_gpt2 run directory, or a local HF
-                                             # GPT-2 / Llama checkpoint directory (config.json + model.safetensors;
-                                             # Llama also tokenizer.json). prompt, side, reversible: GPT-2 only
+                                             # GPT-2 / Llama / Mistral / Qwen2 / Qwen3 checkpoint directory
+                                             # (config.json + model.safetensors; all but GPT-2 also tokenizer.json).
+                                             # prompt, side, reversible: GPT-2 only
         c.finetune.method = "lora"           # full | lora | adapter | bitfit | prompt | side | reversible
         c.finetune.rank = 8                  # LoRA rank r (lora, reversible)
         c.finetune.alpha = config_dict.placeholder(float)  # LoRA scale alpha / r; None: alpha = r
