@@ -59,6 +59,7 @@ def main(argv):
 
     from jaxdp.analysis import hlo_cost
     from jaxdp.finetune import memory as finetune_memory
+    from jaxdp.finetune.settings import Reversible
     from jaxdp.models.gpt2 import GPT2Config
     from jaxdp.training import finetune_job
 
@@ -70,18 +71,18 @@ def main(argv):
     if TARGET.value:  # strategy="auto" plans with the target's rates (jaxdp.clipping.device_rates.current)
         os.environ["JAXDP_DEVICE_KIND"] = TARGET.value
     config = GPT2Config.preset(MODEL.value, dtype=DTYPE.value, **({"seq_len": 64} if MODEL.value == "tiny" else {}))
-    runs = [(m, m, {}) for m in METHODS.value]
+    runs = [(m, m, None) for m in METHODS.value]
     if "reversible" in METHODS.value and REV_KEEP.value:
-        runs.append((f"reversible k={REV_KEEP.value}", "reversible", {"rev_keep_streams_every": REV_KEEP.value}))
+        runs.append((f"reversible k={REV_KEEP.value}", "reversible", Reversible(keep_streams_every=REV_KEEP.value)))
     rows = {}
-    for label, method, kwargs in runs:
+    for label, method, options in runs:
         row = {}
         for dp in (False, True):
             start = time.time()
             try:
-                memory = finetune_memory.step_memory(config, method, dp=dp, batch_size=BATCH_SIZE.value,
-                                                     seq_len=SEQ_LEN.value, dp_method=DP_METHOD.value,
-                                                     frozen_dtype=jnp.dtype(DTYPE.value), device=device, **kwargs)
+                step = finetune_memory.StepSpec(BATCH_SIZE.value, SEQ_LEN.value, dp=dp, dp_method=DP_METHOD.value)
+                memory = finetune_memory.step_memory(config, method, step=step, options=options,
+                                                     frozen_dtype=jnp.dtype(DTYPE.value), device=device)
             except Exception as e:  # e.g. XLA:GPU's deviceless GEMM tiling (see WORKSPACE): report, go on
                 print(f"{label} {'DP' if dp else 'non-DP'}: compile failed: {str(e).splitlines()[0][:200]}")
                 break

@@ -1,13 +1,13 @@
 """Peak training memory of each fine-tuning method, from the compiled step (MemDPT's memory table).
 
-`step_memory(config, method, dp=..., batch_size=..., seq_len=...)` builds the
+`step_memory(config, method, step=StepSpec(batch_size, seq_len, dp=...), options=...)` builds the
 method's model from abstract shapes (`nnx.eval_shape`: nothing is allocated,
 so GPT-2 large costs no 3 GB of weights), compiles one training step for the
 given devices and returns XLA's `memory_analysis()`:
 
   peak = arguments + outputs + temporaries - aliased
 
-The step is what a fine-tuning loop runs. DP, `dp_method="bookkeeping"`:
+The step is what a fine-tuning loop runs. DP, `StepSpec(dp_method="bookkeeping")`:
 per-example gradients (`jaxdp.per_example_grads`: every DP layer's input and
 output gradient kept until all norms are known) -> `jaxdp.fused_clip` (flat
 clipping, Gaussian noise) -> adamw; `dp_method="two_pass"`:
@@ -23,22 +23,48 @@ trainable parameters and Adam's moments stay float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxdp._keywords import fold, warn_moved
 from jaxdp.clipping.aggregation import fused_clip
 from jaxdp.clipping.two_pass import two_pass_clipped_sums
 from jaxdp.core import losses, nn
 from jaxdp.core.per_example import per_example_grads
 from jaxdp.finetune import methods as finetune
+from jaxdp.finetune.settings import accepts_flat_keywords, fold_flat
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.noise.privatizer import GaussianPrivatizer
 from jaxdp.clipping.settings import NormPlan
 
 DP_METHODS = ("bookkeeping", "two_pass")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """The training step whose memory is measured.
+
+    Attributes:
+      batch_size, seq_len: the batch's examples and tokens per example.
+      dp: a DP step (per-example clipping and noise) or the non-DP mean-loss gradient.
+      dp_method: how DP forms its clipped sums (`DP_METHODS`; see the module doc).
+    """
+    batch_size: int
+    seq_len: int
+    dp: bool = True
+    dp_method: str = "bookkeeping"
+
+    def __post_init__(self):
+        for name in ("batch_size", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.dp_method not in DP_METHODS:
+            raise ValueError(f"dp_method must be one of {DP_METHODS}, got {self.dp_method!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +86,12 @@ def lm_losses(model, batch) -> jax.Array:
     return jnp.where(batch["mask"], nll_BT.mean(axis=-1), 0.0)
 
 
-def abstract_model(config: GPT2Config, method: str, *, frozen_dtype=None, **method_kwargs) -> nnx.Module:
-    """The method's model (`jaxdp.finetune.methods.prepare`) as shapes only; frozen weights cast to `frozen_dtype`."""
+@accepts_flat_keywords
+def abstract_model(config: GPT2Config, method: str, *, options=None, frozen_dtype=None) -> nnx.Module:
+    """The method's model (`jaxdp.finetune.methods.prepare` with `options`) as shapes only; frozen weights cast
+    to `frozen_dtype`."""
     model = nnx.eval_shape(lambda: finetune.prepare(GPT2(config, rngs=nnx.Rngs(0)), method,
-                                                    rngs=nnx.Rngs(1), **method_kwargs))
+                                                    rngs=nnx.Rngs(1), options=options))
     if frozen_dtype is not None:
         graphdef, state = nnx.split(model)
         state = nnx.from_flat_state([
@@ -77,19 +105,38 @@ def _num_params(state) -> int:
     return sum(int(jnp.size(v)) for v in jax.tree.leaves(state))
 
 
-def step_memory(config: GPT2Config, method: str, *, dp: bool, batch_size: int, seq_len: int,
-                dp_method: str = "bookkeeping", frozen_dtype=None, device=None, compiler_options=None,
-                **method_kwargs) -> StepMemory:
-    """Compiles one DP (or non-DP) training step of `method` on `config` and returns its memory analysis.
+_STEP_KEYWORDS = ("batch_size", "seq_len", "dp", "dp_method")
+
+
+def _accepts_old_step_keywords(fn):
+    """`step_memory(config, method, dp=..., batch_size=..., seq_len=..., dp_method=..., rank=...)` (the keywords
+    before `StepSpec` and the methods' settings) as `step=StepSpec(...)`, `options=...`, with a
+    DeprecationWarning; for one release."""
+    @functools.wraps(fn)
+    def wrapper(config, method, **kwargs):
+        moved = [m for m in (fold("step", kwargs, StepSpec, _STEP_KEYWORDS, fn.__name__),
+                             fold_flat(method, kwargs, fn.__name__)) if m is not None]
+        warn_moved(fn.__name__, moved)
+        return fn(config, method, **kwargs)
+
+    return wrapper
+
+
+@_accepts_old_step_keywords
+def step_memory(config: GPT2Config, method: str, *, step: StepSpec, options=None, frozen_dtype=None, device=None,
+                compiler_options=None) -> StepMemory:
+    """Compiles one training `step` (`StepSpec`) of `method` with `options` (its `jaxdp.finetune.settings`
+    value; None: the defaults) on `config` and returns its memory analysis.
 
     `device`: the device to compile for (default: this machine's first); a deviceless
     GPU target from `jaxdp.analysis.hlo_cost.target_devices` gives XLA:GPU's buffer assignment.
     """
-    model = abstract_model(config, method, frozen_dtype=frozen_dtype, **method_kwargs)
-    if dp_method not in DP_METHODS:
-        raise ValueError(f"dp_method must be one of {DP_METHODS}, got {dp_method!r}")
+    if not isinstance(step, StepSpec):
+        raise TypeError(f"step must be a StepSpec, got {type(step).__name__}: {step!r}")
+    model = abstract_model(config, method, options=options, frozen_dtype=frozen_dtype)
+    dp, batch_size, seq_len = step.dp, step.batch_size, step.seq_len
     tx = optax.adamw(1e-3, weight_decay=0.0)
-    bookkeeping = dp and dp_method == "bookkeeping"
+    bookkeeping = dp and step.dp_method == "bookkeeping"
     if bookkeeping:
         tx = optax.chain(fused_clip(1.0, 1.0, expected_batch_size=float(batch_size), key=jax.random.key(0)), tx)
     optimizer = nnx.eval_shape(lambda: nnx.Optimizer(model, tx, wrt=nnx.Param))
@@ -99,7 +146,7 @@ def step_memory(config: GPT2Config, method: str, *, dp: bool, batch_size: int, s
     sums_fn = two_pass_clipped_sums(lm_losses, 1.0, fallback=False,
                                     norms=NormPlan(allow_low_precision=True))  # memory only
 
-    def step(params, opt_state, frozen, batch):
+    def train_step(params, opt_state, frozen, batch):
         model = nnx.merge(graphdef, params, frozen)
         optimizer = nnx.merge(opt_graphdef, opt_state)
         if bookkeeping:
@@ -118,7 +165,7 @@ def step_memory(config: GPT2Config, method: str, *, dp: bool, batch_size: int, s
     if device is not None:
         sharding = jax.sharding.SingleDeviceSharding(device)
         shardings = jax.tree.map(lambda _: sharding, (params, opt_state, frozen, batch))
-    jitted = jax.jit(step, donate_argnums=(0, 1), in_shardings=shardings, compiler_options=compiler_options)
+    jitted = jax.jit(train_step, donate_argnums=(0, 1), in_shardings=shardings, compiler_options=compiler_options)
     analysis = jitted.lower(params, opt_state, frozen, batch).compile().memory_analysis()
     return StepMemory(analysis.argument_size_in_bytes, analysis.output_size_in_bytes, analysis.temp_size_in_bytes,
                       analysis.alias_size_in_bytes, _num_params(params))

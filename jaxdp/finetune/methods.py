@@ -38,7 +38,7 @@ for them. The clipping groups are the trainable parameters' (per-layer: one
 per LoRA factor, adapter projection, bias-owning layer).
 
     model = jaxdp.load_hf_gpt2("gpt2/")        # or jaxdp.load_hf_llama("llama-3.2-1b/"): every method but GPT2_METHODS
-    jaxdp.finetune.methods.prepare(model, "lora", rank=8, rngs=nnx.Rngs(0))
+    jaxdp.finetune.prepare(model, "lora", rngs=nnx.Rngs(0), options=jaxdp.finetune.LoRA(rank=8))
     optimizer = nnx.Optimizer(model, optax.chain(jaxdp.fused_clip(...), optax.adamw(1e-3)), wrt=nnx.Param)
 
 Before `jaxdp.save_hf_gpt2`, fold LoRA into the base kernels with `merge_lora`.
@@ -53,6 +53,7 @@ import jax
 from flax import nnx
 
 from jaxdp.core import nn
+from jaxdp.finetune.settings import Adapters, LoRA, Prompt, Reversible, Side, accepts_flat_keywords, check_options
 from jaxdp.models.gpt2 import GPT2
 from jaxdp.models.ladder_side import LadderSideGPT2
 from jaxdp.models.llama import Llama
@@ -263,10 +264,13 @@ def check_method(method: str, family: str = "gpt2") -> None:
                          f"{tuple(m for m in METHODS if m not in GPT2_METHODS)}")
 
 
-def prepare(model: nnx.Module, method: str, *, rngs: nnx.Rngs, rank: int = 8, alpha: float | None = None,
-            lora_targets=None, bottleneck: int = 64, adapter_targets=None,
-            train_layer_norms: bool = True, prompt_length: int = 20, side_reduction: int = 8,
-            rev_alpha: float = 0.1, rev_beta: float = 0.1, rev_keep_streams_every: int | None = None) -> nnx.Module:
+def _add_lora(model: nnx.Module, lora: LoRA, rngs: nnx.Rngs) -> nnx.Module:
+    return add_lora(model, rank=lora.rank, alpha=lora.alpha, targets=lora.targets, rngs=rngs)
+
+
+@accepts_flat_keywords
+def prepare(model: nnx.Module, method: str, *, rngs: nnx.Rngs,
+            options: LoRA | Adapters | Prompt | Side | Reversible | None = None) -> nnx.Module:
     """Adds `method`'s modules to `model` and freezes all but its trainable parameters, in place.
 
     "side" wraps `model` (a GPT-2) in a `LadderSideGPT2`, "reversible" adds LoRA
@@ -276,36 +280,34 @@ def prepare(model: nnx.Module, method: str, *, rngs: nnx.Rngs, rank: int = 8, al
       model: a model built from `jaxdp.core.nn` layers (a GPT-2 for `GPT2_METHODS`).
       method: one of `METHODS`: "full" | "lora" | "adapter" | "bitfit" | "prompt" | "side" | "reversible".
       rngs: initialises the new parameters.
-      rank, alpha, lora_targets: LoRA's rank r, scale alpha / r (default alpha = r)
-        and the projections it wraps (path suffixes; None: the family's `DEFAULT_LORA_TARGETS`).
-      bottleneck, adapter_targets, train_layer_norms: the adapters' width, the
-        projections they follow (None: `DEFAULT_ADAPTER_TARGETS`), and whether layer norms train with them.
-      prompt_length: the soft prompt's number of embeddings.
-      side_reduction: the side network's width is d_model / side_reduction.
-      rev_alpha, rev_beta: "reversible"'s stream scales (MEFT's 0.1, 0.1); its LoRA
-        uses rank, alpha and lora_targets, its adapters (G) bottleneck.
-      rev_keep_streams_every: "reversible" keeps the two streams at every k-th layer's input and
-        inverts only between them (None: inverts every layer; see `jaxdp.models.reversible`).
+      options: the method's settings (`jaxdp.finetune.settings`): `LoRA(rank, alpha, targets)` for "lora",
+        `Adapters(bottleneck, targets, train_layer_norms)` for "adapter", `Prompt(length)`, `Side(reduction)`,
+        `Reversible(lora, bottleneck, alpha, beta, keep_streams_every)`; None: the method's defaults. "full"
+        and "bitfit" take none. The flat keywords these replaced (`rank=`, `lora_targets=`, `bottleneck=`,
+        `prompt_length=`, `side_reduction=`, `rev_alpha=`, ...) are still accepted for one release, with a
+        DeprecationWarning.
 
     Returns:
       `model` (for "side" and "reversible", the network holding it as `backbone`), whose
       `nnx.Param`s are exactly the method's trainable parameters.
     """
     check_method(method, "gpt2" if isinstance(model, GPT2) else type(model).__name__)
+    options = check_options(method, options)
     if method == "lora":
-        add_lora(model, rank=rank, alpha=alpha, targets=lora_targets, rngs=rngs)
+        _add_lora(model, options, rngs)
     elif method == "adapter":
-        add_adapters(model, bottleneck=bottleneck, targets=adapter_targets, rngs=rngs)
+        add_adapters(model, bottleneck=options.bottleneck, targets=options.targets, rngs=rngs)
     elif method == "prompt":
-        add_soft_prompt(model, length=prompt_length, rngs=rngs)
+        add_soft_prompt(model, length=options.length, rngs=rngs)
     elif method == "side":
-        model = LadderSideGPT2(model, reduction=side_reduction, rngs=rngs)
+        model = LadderSideGPT2(model, reduction=options.reduction, rngs=rngs)
     elif method == "reversible":
-        add_lora(model, rank=rank, alpha=alpha, targets=lora_targets, rngs=rngs)
-        model = ReversibleGPT2(model, alpha=rev_alpha, beta=rev_beta, bottleneck=bottleneck,
-                               keep_streams_every=rev_keep_streams_every, rngs=rngs)
+        _add_lora(model, options.lora, rngs)
+        model = ReversibleGPT2(model, alpha=options.alpha, beta=options.beta, bottleneck=options.bottleneck,
+                               keep_streams_every=options.keep_streams_every, rngs=rngs)
     if method in ("side", "reversible"):
         model.config = model.backbone.config  # the wrapper reads like its GPT-2 (e.g. config.seq_len when sampling)
+    train_layer_norms = options.train_layer_norms if method == "adapter" else True
     model = freeze(model, trainable_filter(method, train_layer_norms=train_layer_norms))
     if not trainable_paths(model):
         raise ValueError(f"method {method!r} leaves no trainable parameter in this {type(model).__name__} "
