@@ -228,3 +228,32 @@ def test_no_test_file_imports_another_test_file():
     planted = ("from test_pretrain import tiny_config\n\ndef f():\n    import test_llama\n"
                "    importlib.import_module('test_finetune')\n    from dp_testing import lm_loss\n")
     assert imported_test_modules(planted, set(tests)) == {"test_pretrain", "test_llama", "test_finetune"}
+
+
+MAX_PARAMETERS = 8  # ../shared/STYLE.md 13: what travels together is one named value, not a long argument list
+# Functions still over the limit. The set only shrinks: one brought within it must leave the set too.
+OVER_THE_LIMIT = {
+    "jaxdp/clipping/aggregation.py:fused_clip",  # 9 with mechanism= (correlated noise): to group
+}
+
+
+def functions_over(limit: int, sources: dict[str, str]) -> dict[str, int]:
+    """{"file:function": its parameter count} for the functions of `sources` ({file: source}) taking more
+    than `limit` parameters: positional and keyword, `self` / `cls` and `*args` / `**kwargs` not counted."""
+    found = {}
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                count = sum(x.arg not in ("self", "cls") for x in a.posonlyargs + a.args + a.kwonlyargs)
+                if count > limit:
+                    found[f"{name}:{node.name}"] = count
+    return found
+
+
+def test_no_library_function_takes_more_than_eight_parameters():
+    sources = {f.relative_to(ROOT).as_posix(): f.read_text() for f in sorted(PACKAGE.rglob("*.py"))}
+    assert set(functions_over(MAX_PARAMETERS, sources)) == OVER_THE_LIMIT
+    planted = ("class A:\n    def f(self, a, b, c, d, e, f, g, h, *, i=0, **kw):\n        pass\n\n"
+               "    async def g(cls, a, b, c, d, e, f, g, /, h, *args, **kw):\n        pass\n")
+    assert functions_over(MAX_PARAMETERS, {"p.py": planted}) == {"p.py:f": 9}
