@@ -10,7 +10,7 @@ weights were trained with: the init run's `tokenizer/`, "gpt2" for HF GPT-2
 weights, the checkpoint directory's `tokenizer.json` for Llama), checks the
 method and its arguments on an abstract model, then calls
 `jaxdp.training.prepare` and sets `Prepared.build_model`: the pretrained model
-with `jaxdp.finetune.methods.prepare(model, method, ...)` applied. `jaxdp.training.train`
+with `jaxdp.finetune.methods.prepare(model, method, options=...)` applied. `jaxdp.training.train`
 then runs it like any job: Poisson sampling, DP step on the trainable
 `nnx.Param`s only (frozen parameters get no gradient, no optimizer state, no
 update), accounting, budget stop, checkpoints, resume, metrics, plots,
@@ -40,6 +40,7 @@ from jaxdp.core import losses
 from jaxdp.data import tasks
 from jaxdp.data import windows as data_lib
 from jaxdp.finetune import methods as finetune
+from jaxdp.finetune import settings as finetune_settings
 from jaxdp.models import hf_checkpoint, hf_gpt2, hf_llama
 from jaxdp.models.llama import LlamaConfig
 from jaxdp.noise import draws as noise_lib
@@ -63,10 +64,9 @@ from jaxdp.training.run_dir import (
 
 FROM_INIT = "init"  # config.model.family / config.data.tokenizer of the finetune config: taken from init
 HF_FAMILIES = hf_checkpoint.MODEL_TYPES  # the model_type values of an HF checkpoint the job loads
-# config.finetune fields passed to `jaxdp.finetune.methods.prepare` (the others: init, method, loss_after,
-# accuracy_examples).
-METHOD_ARGS = ("rank", "alpha", "lora_targets", "bottleneck", "adapter_targets", "train_layer_norms",
-               "prompt_length", "side_reduction", "rev_alpha", "rev_beta", "rev_keep_streams_every")
+# config.finetune fields that make the method's `jaxdp.finetune.settings` value (the others: init, method,
+# loss_after, accuracy_examples).
+METHOD_ARGS = finetune_settings.FLAT_NAMES
 # summary.json's heldout_accuracy (`tasks.sentiment_accuracy`) and `accuracy_rows`' copy of it
 ACCURACY_FIELDS = ("accuracy", "examples", "label_positive_fraction", "predicted_positive_fraction",
                    "majority_class_accuracy")
@@ -129,12 +129,11 @@ def _init_model_and_tokenizer(init: str, kind: str) -> tuple[dict, str]:
             "qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm, "sliding_window": c.sliding_window}, str(path.resolve())
 
 
-def method_kwargs(config) -> dict:
-    """`jaxdp.finetune.methods.prepare`'s keyword arguments from config.finetune."""
-    kw = {name: config.finetune[name] for name in METHOD_ARGS}
-    for name in ("lora_targets", "adapter_targets"):  # None: the model family's default
-        kw[name] = None if kw[name] is None else tuple(kw[name])
-    return kw
+def method_options(config):
+    """The method's settings (`jaxdp.finetune.settings`; None for "full" and "bitfit") from config.finetune.
+    ValueError naming the field for a bad value."""
+    ft = config.finetune
+    return finetune_settings.from_flat(ft.method, {name: ft[name] for name in METHOD_ARGS})
 
 
 def resolve(config):
@@ -193,7 +192,6 @@ def prepare(config, *, progress=None, notice=None) -> Prepared:
         finetune.check_method(ft.method, resolved.model.family)
     except ValueError as e:
         raise ConfigError(f"config.finetune.method: {e}") from None
-    kw = method_kwargs(resolved)
     if ft.method == "prompt" and resolved.sample.num > 0:
         raise ConfigError("config.sample.num must be 0 with config.finetune.method='prompt' (samples.txt's windows "
                           "are the model's full length, which the soft prompt would overflow)")
@@ -209,7 +207,9 @@ def prepare(config, *, progress=None, notice=None) -> Prepared:
                           f"its tokenizer's ({p.tokenizer.name}: {p.tokenizer.vocab_size})")
     mc = p.model_config
     try:  # the method and its arguments, on shapes only
-        nnx.eval_shape(lambda: finetune.prepare(config_lib.build_model(mc, 0), ft.method, rngs=nnx.Rngs(0), **kw))
+        options = method_options(resolved)
+        nnx.eval_shape(lambda: finetune.prepare(config_lib.build_model(mc, 0), ft.method, rngs=nnx.Rngs(0),
+                                                options=options))
     except ValueError as e:
         raise ConfigError(f"config.finetune: {e}") from None
 
@@ -222,7 +222,7 @@ def prepare(config, *, progress=None, notice=None) -> Prepared:
 
     def build(seed: int) -> nnx.Module:
         model = nnx.clone(pretrained)
-        return finetune.prepare(model, ft.method, rngs=nnx.Rngs(noise_lib.key_from_seed(seed)), **kw)
+        return finetune.prepare(model, ft.method, rngs=nnx.Rngs(noise_lib.key_from_seed(seed)), options=options)
     loss_fn = _completion_loss(p, la) if la else p.loss_fn
     if message and notice is not None:  # the run will start: no note before a one-line error
         notice(message)
@@ -292,7 +292,8 @@ def untrained_model(run_config: dict, model_config, workdir) -> nnx.Module:
         raise ConfigError(f"{why}; the files under config.finetune.init ({ft.init}) are not those the run trained "
                           "from (their SHA-256 differs): restore them")
     model = _pretrained(ft.init, kind, model_config)
-    return finetune.prepare(model, ft.method, rngs=nnx.Rngs(0), **method_kwargs(config_dict.ConfigDict(run_config)))
+    return finetune.prepare(model, ft.method, rngs=nnx.Rngs(0),
+                            options=method_options(config_dict.ConfigDict(run_config)))
 
 
 def heldout_documents(config) -> list[str]:
