@@ -24,12 +24,16 @@ import jaxdp
 import jaxdp.core.losses
 import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.finetune import methods as finetune
+from jaxdp.finetune.settings import Adapters, LoRA, Prompt, Reversible, Side
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.clipping.settings import ClipSpec, NormPlan
 
 RTOL = 1e-5  # float32, highest matmul precision
-METHOD_KWARGS = dict(rank=4, alpha=8.0, bottleneck=8, prompt_length=3, side_reduction=8)
+LORA = LoRA(rank=4, alpha=8.0)
+# each method's settings in these tests ("full" and "bitfit" take none)
+OPTIONS = {"lora": LORA, "adapter": Adapters(bottleneck=8), "prompt": Prompt(length=3), "side": Side(reduction=8),
+           "reversible": Reversible(LORA, bottleneck=8)}
 
 
 def tiny_config(n_layer=1):
@@ -39,7 +43,7 @@ def tiny_config(n_layer=1):
 def prepared(method, seed):
     """A one-block tiny GPT-2 fine-tuned by `method`, random parameters."""
     return random_model(lambda: finetune.prepare(GPT2(tiny_config(), rngs=nnx.Rngs(seed)), method,
-                                                 rngs=nnx.Rngs(seed + 1), **METHOD_KWARGS), seed)
+                                                 rngs=nnx.Rngs(seed + 1), options=OPTIONS.get(method)), seed)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -89,7 +93,7 @@ def test_frozen_head_in_chunks_equals_the_plain_head(method):
     if method == "llama_lora":
         config = LlamaConfig.preset("tiny", vocab_size=97, seq_len=32, tie_embeddings=False)
         model = random_model(lambda: finetune.prepare(Llama(config, rngs=nnx.Rngs(0)), "lora", rngs=nnx.Rngs(1),
-                                                      **METHOD_KWARGS), seed=3)
+                                                      options=LORA), seed=3)
     else:
         model = prepared(method, seed=len(method))
     assert model.frozen_head() is not None
@@ -107,7 +111,7 @@ def test_trained_head_is_never_chunked():
     any trainable parameter takes the plain path."""
     config = LlamaConfig.preset("tiny", vocab_size=97, seq_len=32, tie_embeddings=False)
     model = finetune.prepare(Llama(config, rngs=nnx.Rngs(0)), "lora", rngs=nnx.Rngs(1),
-                             lora_targets=("attn/q_proj", "lm_head"), **METHOD_KWARGS)
+                             options=dataclasses.replace(LORA, targets=("attn/q_proj", "lm_head")))
     assert model.frozen_head() is None
     tokens = lm_batch(seed=4, B=2, T=6)["tokens"]
     assert jaxdp.core.losses.token_nll(model, tokens[:, :-1], tokens[:, 1:]).shape == (2, 6)
@@ -138,9 +142,9 @@ def test_optimizer_step_leaves_frozen_parameters_unchanged_and_prompted_logits_a
     of compile and adds nothing to the property."""
     def build():
         model = GPT2(tiny_config(), rngs=nnx.Rngs(0))
-        finetune.add_lora(model, rank=METHOD_KWARGS["rank"], rngs=nnx.Rngs(1))
-        finetune.add_adapters(model, bottleneck=METHOD_KWARGS["bottleneck"], rngs=nnx.Rngs(2))
-        finetune.add_soft_prompt(model, length=METHOD_KWARGS["prompt_length"], rngs=nnx.Rngs(3))
+        finetune.add_lora(model, rank=LORA.rank, rngs=nnx.Rngs(1))
+        finetune.add_adapters(model, bottleneck=OPTIONS["adapter"].bottleneck, rngs=nnx.Rngs(2))
+        finetune.add_soft_prompt(model, length=OPTIONS["prompt"].length, rngs=nnx.Rngs(3))
         methods = [finetune.trainable_filter(m, train_layer_norms=False)
                    for m in ("lora", "adapter", "bitfit", "prompt")]
         return finetune.freeze(model, lambda path, owner: any(f(path, owner) for f in methods))
@@ -239,7 +243,7 @@ def test_side_network_backward_never_enters_the_backbone():
                    and any(tuple(v.aval.shape) in kernels for v in eqn.invars))
 
     side = prepared("side", seed=11)
-    assert side.up.kernel.shape == (64 // METHOD_KWARGS["side_reduction"], 64)
+    assert side.up.kernel.shape == (64 // OPTIONS["side"].reduction, 64)
     assert backbone_gemms(side) == len(kernels)
     assert backbone_gemms(prepared("lora", seed=12)) > len(kernels)
 
@@ -267,8 +271,10 @@ def test_lora_merge_and_hf_export(tmp_path):
     (lambda m: finetune.add_adapters(m, bottleneck=0, rngs=nnx.Rngs(0)), "bottleneck must be"),
     (lambda m: finetune.add_soft_prompt(m.blocks[0], length=2, rngs=nnx.Rngs(0)), "GPT2"),
     (lambda m: finetune.add_soft_prompt(m, length=0, rngs=nnx.Rngs(0)), "length must be"),
-    (lambda m: finetune.prepare(m, "side", side_reduction=3, rngs=nnx.Rngs(0)), "reduction must be .* d_model=64"),
-    (lambda m: finetune.prepare(m, "reversible", rev_beta=0.0, rngs=nnx.Rngs(0)), "alpha and beta must be > 0"),
+    (lambda m: finetune.prepare(m, "side", options=Side(reduction=3), rngs=nnx.Rngs(0)),
+     "reduction must be .* d_model=64"),
+    (lambda m: finetune.prepare(m, "reversible", options=Reversible(beta=0.0), rngs=nnx.Rngs(0)),
+     "alpha and beta must be > 0"),
 ])
 def test_bad_arguments_are_named(call, match):
     with pytest.raises(ValueError, match=match):
@@ -304,9 +310,9 @@ def test_reversible_equals_stored_activation_reference(dtype, n_layer, keep_stre
     jax.config.update("jax_enable_x64", dtype == "float64")
     try:
         config = dataclasses.replace(tiny_config(n_layer=n_layer), dtype=dtype)
+        options = dataclasses.replace(OPTIONS["reversible"], keep_streams_every=keep_streams_every)
         model = random_model(lambda: finetune.prepare(GPT2(config, rngs=nnx.Rngs(0)), "reversible",
-                                                      rngs=nnx.Rngs(1), rev_keep_streams_every=keep_streams_every,
-                                                      **METHOD_KWARGS), seed=13)
+                                                      rngs=nnx.Rngs(1), options=options), seed=13)
         assert model.backward == "reversible" and (model.alpha, model.beta) == (0.1, 0.1)
         batch = lm_batch(seed=14, B=5, T=12)
         graphdef, state = nnx.split(model)

@@ -245,9 +245,10 @@ def test_dp_lora_on_imported_llama_equals_reference(tmp_path):
     from dp_testing import RTOL, clipped_sums_and_reference, lm_batch, max_rel_err
 
     from jaxdp.finetune import methods as finetune
+    from jaxdp.finetune.settings import LoRA
 
     model = load_hf_llama(write_hf_checkpoint(tmp_path, random_hf_tensors(seed=5), HF_CONFIG))
-    finetune.prepare(model, "lora", rank=4, lora_targets=("attn/q_proj", "attn/v_proj"), rngs=nnx.Rngs(6))
+    finetune.prepare(model, "lora", options=LoRA(rank=4, targets=("attn/q_proj", "attn/v_proj")), rngs=nnx.Rngs(6))
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):  # LoRA's B starts at 0: give it values
         var.set_value(0.1 * np.random.default_rng(len(path)).standard_normal(var.shape).astype(np.float32))
     assert {p[-2] for p in finetune.trainable_paths(model)} == {"lora_a", "lora_b"}

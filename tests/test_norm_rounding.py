@@ -330,6 +330,7 @@ def _bf16_step_contributions(clipping, seeds, T=12, strategy="ghost", adapter=Tr
 
     from jaxdp.core.losses import lm_losses
     from jaxdp.finetune import methods as finetune
+    from jaxdp.finetune.settings import Adapters
     from jaxdp.models.gpt2 import GPT2, GPT2Config
     from jaxdp.training.steps import make_train_step
 
@@ -339,8 +340,8 @@ def _bf16_step_contributions(clipping, seeds, T=12, strategy="ghost", adapter=Tr
 
     def build():
         model = GPT2(cfg, rngs=nnx.Rngs(0))
-        return finetune.prepare(model, "adapter", rngs=nnx.Rngs(1), bottleneck=8, train_layer_norms=False,
-                                adapter_targets=("mlp/c_proj",)) if adapter else model
+        return finetune.prepare(model, "adapter", rngs=nnx.Rngs(1), options=Adapters(
+            bottleneck=8, targets=("mlp/c_proj",), train_layer_norms=False)) if adapter else model
 
     # One transform for every seed: the optimizer's static graph stays equal, so the jitted step traces once.
     tx = optax.chain(jaxdp.fused_clip(c, 0.0, expected_batch_size=1.0, clip=ClipSpec(clipping=clipping),
