@@ -61,7 +61,7 @@ def test_the_old_keywords_give_the_same_update_with_a_deprecation_warning():
     grads, key = _grads(np.random.default_rng().integers(2**31)), jax.random.key(3)
     new = jaxdp.fused_clip(0.7, 0.5, expected_batch_size=6.0, key=key,
                            clip=ClipSpec("per_layer", "automatic", gamma=0.05), norms=NormPlan("instantiate"))
-    with pytest.warns(DeprecationWarning, match=r"clip=jaxdp.ClipSpec.*norms=jaxdp.NormPlan"):
+    with pytest.warns(DeprecationWarning, match=r"clip=ClipSpec.*norms=NormPlan"):
         old = jaxdp.fused_clip(0.7, 0.5, expected_batch_size=6.0, key=key, clipping="per_layer",
                                clip_fn="automatic", gamma=0.05, strategy="instantiate")
     want, _ = new.update(grads, new.init(_params()), _params())

@@ -15,14 +15,13 @@ one release (`accepts_old_keywords`), with a DeprecationWarning.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import warnings
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import numpy as np
 
+from jaxdp._keywords import old_keywords
 from jaxdp.clipping import norm_costs
 from jaxdp.clipping import norms as norms_lib
 from jaxdp.clipping import rules as clipping_lib
@@ -168,21 +167,4 @@ def accepts_old_keywords(fn: Callable) -> Callable:
     """`fn(..., clipping=..., strategy=...)` (the keywords before `ClipSpec` / `NormPlan`) as
     `fn(..., clip=ClipSpec(clipping=...), norms=NormPlan(strategy=...))`, with a DeprecationWarning; for one
     release. A keyword given both ways is an error."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        moved = []
-        for group, cls, name in ((CLIP_KEYWORDS, ClipSpec, "clip"), (NORM_KEYWORDS, NormPlan, "norms")):
-            old = {k: kwargs.pop(k) for k in group if k in kwargs}
-            if not old:
-                continue
-            if name in kwargs:
-                raise TypeError(f"{fn.__name__}: {', '.join(f'{k}=' for k in old)} and {name}= given together; "
-                                f"put them in {name}={cls.__name__}(...)")
-            kwargs[name] = cls(**old)
-            moved.append(f"{name}=jaxdp.{cls.__name__}({', '.join(f'{k}=...' for k in old)})")
-        if moved:
-            warnings.warn(f"{fn.__name__}: the keywords are now {' and '.join(moved)}; the old keywords go in "
-                          "the next release", DeprecationWarning, stacklevel=2)
-        return fn(*args, **kwargs)
-
-    return wrapper
+    return old_keywords(clip=(ClipSpec, CLIP_KEYWORDS), norms=(NormPlan, NORM_KEYWORDS))(fn)

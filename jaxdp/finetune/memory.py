@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ from flax import nnx
 
 from jaxdp._keywords import fold, warn_moved
 from jaxdp.clipping.aggregation import fused_clip
+from jaxdp.clipping.settings import NormPlan
 from jaxdp.clipping.two_pass import two_pass_clipped_sums
 from jaxdp.core import losses, nn
 from jaxdp.core.per_example import per_example_grads
@@ -39,7 +41,6 @@ from jaxdp.finetune import methods as finetune
 from jaxdp.finetune.settings import accepts_flat_keywords, fold_flat
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.noise.privatizer import GaussianPrivatizer
-from jaxdp.clipping.settings import NormPlan
 
 DP_METHODS = ("bookkeeping", "two_pass")
 
@@ -102,7 +103,7 @@ def abstract_model(config: GPT2Config, method: str, *, options=None, frozen_dtyp
 
 
 def _num_params(state) -> int:
-    return sum(int(jnp.size(v)) for v in jax.tree.leaves(state))
+    return sum(math.prod(jnp.shape(v)) for v in jax.tree.leaves(state))
 
 
 _STEP_KEYWORDS = ("batch_size", "seq_len", "dp", "dp_method")
