@@ -1,6 +1,7 @@
 """Shared helpers for DP tests: tiny models, batches, loss functions, comparisons; the fused_clip case that
 the XLA and Pallas reference tests share; the fine-tuning case (random parameters, clipped sums of the
-factored path and of the reference); Hugging Face checkpoint files."""
+factored path and of the reference); Hugging Face checkpoint files, and random Llama-family checkpoints in
+HF's layout with the float64 NumPy forward of HF's modeling code."""
 
 import functools
 import json
@@ -16,7 +17,7 @@ import jaxdp.core.losses
 import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
-from jaxdp.models.safetensors_io import write_safetensors
+from jaxdp.models.safetensors_io import read_safetensors, write_safetensors
 
 RTOL = 1e-5  # reference equality in float32 at the highest matmul precision
 
@@ -124,6 +125,126 @@ def write_hf_checkpoint(path, tensors, config):
     return str(path)
 
 
+def saved_hf_config_if_bit_identical(path, tensors):
+    """The config.json of the checkpoint saved at `path`, after checking that its model.safetensors holds
+    exactly the tensors {HF name: float32 array} `tensors`, bit for bit."""
+    saved = read_safetensors(os.path.join(path, "model.safetensors"))
+    assert set(saved) == set(tensors)
+    for name, array in saved.items():
+        assert array.dtype == np.float32 and array.tobytes() == tensors[name].tobytes(), name
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------ Llama-family checkpoints in HF's layout
+# The case test_hf_llama (Llama) and test_hf_families (Mistral, Qwen2, Qwen3) share: random weights under a
+# config.json's HF tensor names, and the logits HF's modeling code computes from them, in float64 NumPy.
+
+
+def hf_head_dim(config):
+    """A Llama-family config.json's head_dim: its own key (Mistral, Qwen3), or hidden_size / heads."""
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def random_hf_llama_tensors(config, seed):
+    """Random weights of a Llama-family config.json under HF's names (`model.` prefix), torch Linear (out, in)
+    layout: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, and `lm_head` unless the embeddings are tied."""
+    rng = np.random.default_rng(seed)
+    H, family = hf_head_dim(config), config["model_type"]
+    D, D_FF, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+
+    def normal(*shape, std=0.3):
+        return (std * rng.standard_normal(shape)).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": normal(vocab, D), "model.norm.weight": 1 + normal(D, std=0.1)}
+    shapes = {"self_attn.q_proj": (n_head * H, D), "self_attn.k_proj": (n_kv * H, D), "self_attn.v_proj": (n_kv * H, D),
+              "self_attn.o_proj": (D, n_head * H), "mlp.gate_proj": (D_FF, D), "mlp.up_proj": (D_FF, D),
+              "mlp.down_proj": (D, D_FF)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name, (o, n) in shapes.items():
+            t[p + name + ".weight"] = normal(o, n, std=1 / np.sqrt(n))
+            if family == "qwen2" and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                t[p + name + ".bias"] = normal(o)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            t[p + norm + ".weight"] = 1 + normal(D, std=0.1)
+        if family == "qwen3":
+            for norm in ("q_norm", "k_norm"):
+                t[p + "self_attn." + norm + ".weight"] = 1 + normal(H, std=0.3)
+    if not config["tie_word_embeddings"]:
+        t["lm_head.weight"] = normal(vocab, D)
+    return t
+
+
+def hf_inv_freq(config):
+    """HF's rotary inverse frequencies, with `_compute_llama3_parameters` when rope_scaling is set (the one
+    scaling this reference knows: any other is an error, never silently plain RoPE)."""
+    H = hf_head_dim(config)
+    inv = 1.0 / config["rope_theta"] ** (np.arange(0, H, 2, dtype=np.float64) / H)
+    s = config.get("rope_scaling")
+    if s is None:
+        return inv
+    if s.get("rope_type", s.get("type")) != "llama3":
+        raise ValueError(f"hf_llama_forward_f64 computes no rope_scaling={s!r}")
+    factor, low, high, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / inv
+    llama = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * llama / factor + smooth * llama
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, smoothed, llama)
+
+
+def hf_llama_forward_f64(t, tokens_BT, config):
+    """Logits as HF's modeling_{llama,mistral,qwen2,qwen3}.py compute them, float64 NumPy, from HF tensor
+    names: torch Linear `x @ W.T (+ b)`; Qwen3 RMSNorms q and k per head before rotate-half RoPE (Llama 3's
+    scaled frequencies when rope_scaling says so); repeat_kv (head n reads kv head n // rep); Mistral's mask
+    `kv_idx <= q_idx and kv_idx > q_idx - sliding_window`."""
+    t = {k.removeprefix("model."): np.asarray(v, np.float64) for k, v in t.items()}
+    B, T = tokens_BT.shape
+    H, family, eps = hf_head_dim(config), config["model_type"], config["rms_norm_eps"]
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+
+    def rms(x, weight):
+        return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * weight
+
+    def linear(x, name):
+        y = x @ t[name + ".weight"].T
+        return y + t[name + ".bias"] if name + ".bias" in t else y
+
+    freqs = np.arange(T)[:, None] * hf_inv_freq(config)[None, :]
+    cos, sin = np.cos(np.concatenate([freqs, freqs], -1)), np.sin(np.concatenate([freqs, freqs], -1))
+
+    def rope(x):  # (B, heads, T, H)
+        return x * cos + np.concatenate([-x[..., H // 2:], x[..., :H // 2]], -1) * sin
+
+    q_idx, kv_idx = np.arange(T)[:, None], np.arange(T)[None, :]
+    allowed = kv_idx <= q_idx
+    if family == "mistral" and config.get("sliding_window") is not None:
+        allowed &= kv_idx > q_idx - config["sliding_window"]
+    h = t["embed_tokens.weight"][tokens_BT]
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        x = rms(h, t[p + "input_layernorm.weight"])
+        q = linear(x, p + "self_attn.q_proj").reshape(B, T, n_head, H)
+        k = linear(x, p + "self_attn.k_proj").reshape(B, T, n_kv, H)
+        v = linear(x, p + "self_attn.v_proj").reshape(B, T, n_kv, H)
+        if family == "qwen3":
+            q, k = rms(q, t[p + "self_attn.q_norm.weight"]), rms(k, t[p + "self_attn.k_norm.weight"])
+        q, k, v = rope(q.transpose(0, 2, 1, 3)), rope(k.transpose(0, 2, 1, 3)), v.transpose(0, 2, 1, 3)
+        k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
+        s = np.where(allowed, q @ k.transpose(0, 1, 3, 2) * H ** -0.5, -np.inf)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        a = ((w / w.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(B, T, n_head * H)
+        h = h + linear(a, p + "self_attn.o_proj")
+        x = rms(h, t[p + "post_attention_layernorm.weight"])
+        gate = linear(x, p + "mlp.gate_proj")
+        h = h + linear(gate / (1 + np.exp(-gate)) * linear(x, p + "mlp.up_proj"), p + "mlp.down_proj")
+    head = t["embed_tokens.weight"] if config["tie_word_embeddings"] else t["lm_head.weight"]
+    return rms(h, t["norm.weight"]) @ head.T
+
+
 # ------------------------------------------------------------------ fused_clip against the vmap reference
 # The case test_fused_clip_reference (XLA strategies) and test_pallas_fused_clip (the kernels) share.
 
@@ -207,3 +328,24 @@ def clipped_sums_and_reference(graphdef, state, batch, C):
                                                          norms=jaxdp.NormPlan(strategy=strategy))[0]}
     out["flat"]["planted"] = jaxdp.core.reference.clipped_sum(plant(ref), C)[0]
     return out
+
+
+def clipped_sums_some_clipped(model, batch):
+    """`clipped_sums_and_reference` (on the host) at a C strictly between the reference's smallest and largest
+    non-zero per-example norms, so that some examples are clipped and some not: a first call (C = 1e6) for the
+    norms, a second at that C."""
+    graphdef, state = nnx.split(model)
+    norms = np.asarray(clipped_sums_and_reference(graphdef, state, batch, jnp.float32(1e6))["flat"]["norms"]["all"])
+    norms = np.sort(norms[norms > 0])
+    assert norms[0] < norms[-1], norms
+    return jax.device_get(clipped_sums_and_reference(graphdef, state, batch, jnp.float32(np.sqrt(norms[0] * norms[-1]))))
+
+
+def assert_clipped_sums_equal_reference(model, batch):
+    """The factored path's clipped sums (flat: ghost norms, per layer: instantiated; some examples clipped)
+    equal the vmap reference's within RTOL, and the same comparison fails for a 1% error planted in one
+    parameter's per-example gradients."""
+    out = clipped_sums_some_clipped(model, batch)
+    for clipping, sums in out.items():
+        assert max_rel_err(sums["fast"], sums["expected"]) <= RTOL, clipping
+    assert max_rel_err(out["flat"]["fast"], out["flat"]["planted"]) > 10 * RTOL

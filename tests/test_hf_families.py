@@ -8,7 +8,6 @@ unsupported values and missing tensors are refused by name before any compute.
 """
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +15,15 @@ import numpy as np
 import pytest
 from dp_testing import (
     RTOL,
+    assert_clipped_sums_equal_reference,
     by_path,
-    clipped_sums_and_reference,
+    hf_head_dim,
+    hf_llama_forward_f64,
     lm_batch,
     lm_loss,
     max_rel_err,
+    random_hf_llama_tensors,
+    saved_hf_config_if_bit_identical,
     tiny_gpt2,
     write_hf_checkpoint,
 )
@@ -33,7 +36,6 @@ from jaxdp.models import attention
 from jaxdp.models.gpt2 import GPT2
 from jaxdp.models.hf_gpt2 import save_hf_gpt2
 from jaxdp.models.llama import Llama, LlamaConfig
-from jaxdp.models.safetensors_io import read_safetensors
 
 N_LAYER, D, D_FF, VOCAB, N_HEAD, N_KV = 2, 32, 48, 61, 4, 2
 COMMON = {"hidden_act": "silu", "num_hidden_layers": N_LAYER, "hidden_size": D, "intermediate_size": D_FF,
@@ -55,87 +57,6 @@ CONFIGS = {
 }
 FAMILIES = sorted(CONFIGS)
 PROMPT = np.random.default_rng(0).integers(0, VOCAB, (2, 24))  # longer than Mistral's window of 8
-
-
-def head_dim(config):
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
-def random_hf_tensors(config, seed):
-    """Random weights under the family's HF names (`model.` prefix), torch Linear (out, in) layout."""
-    rng = np.random.default_rng(seed)
-    H, family = head_dim(config), config["model_type"]
-
-    def normal(*shape, std=0.3):
-        return (std * rng.standard_normal(shape)).astype(np.float32)
-
-    t = {"model.embed_tokens.weight": normal(VOCAB, D), "model.norm.weight": 1 + normal(D, std=0.1)}
-    shapes = {"self_attn.q_proj": (N_HEAD * H, D), "self_attn.k_proj": (N_KV * H, D), "self_attn.v_proj": (N_KV * H, D),
-              "self_attn.o_proj": (D, N_HEAD * H), "mlp.gate_proj": (D_FF, D), "mlp.up_proj": (D_FF, D),
-              "mlp.down_proj": (D, D_FF)}
-    for i in range(N_LAYER):
-        p = f"model.layers.{i}."
-        for name, (o, n) in shapes.items():
-            t[p + name + ".weight"] = normal(o, n, std=1 / np.sqrt(n))
-            if family == "qwen2" and name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-                t[p + name + ".bias"] = normal(o)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            t[p + norm + ".weight"] = 1 + normal(D, std=0.1)
-        if family == "qwen3":
-            for norm in ("q_norm", "k_norm"):
-                t[p + "self_attn." + norm + ".weight"] = 1 + normal(H, std=0.3)
-    if not config["tie_word_embeddings"]:
-        t["lm_head.weight"] = normal(VOCAB, D)
-    return t
-
-
-def hf_forward_f64(t, tokens_BT, config):
-    """Logits as HF's modeling_{mistral,qwen2,qwen3}.py compute them, float64 NumPy, from HF tensor names:
-    torch Linear `x @ W.T (+ b)`; Qwen3 RMSNorms q and k per head before rotate-half RoPE; repeat_kv;
-    Mistral's mask `kv_idx <= q_idx and kv_idx > q_idx - sliding_window`."""
-    t = {k.removeprefix("model."): np.asarray(v, np.float64) for k, v in t.items()}
-    B, T = tokens_BT.shape
-    H, family, eps = head_dim(config), config["model_type"], config["rms_norm_eps"]
-    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-
-    def rms(x, weight):
-        return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * weight
-
-    def linear(x, name):
-        y = x @ t[name + ".weight"].T
-        return y + t[name + ".bias"] if name + ".bias" in t else y
-
-    inv_freq = 1.0 / config["rope_theta"] ** (np.arange(0, H, 2, dtype=np.float64) / H)
-    freqs = np.arange(T)[:, None] * inv_freq[None, :]
-    cos, sin = np.cos(np.concatenate([freqs, freqs], -1)), np.sin(np.concatenate([freqs, freqs], -1))
-
-    def rope(x):  # (B, heads, T, H)
-        return x * cos + np.concatenate([-x[..., H // 2:], x[..., :H // 2]], -1) * sin
-
-    q_idx, kv_idx = np.arange(T)[:, None], np.arange(T)[None, :]
-    allowed = kv_idx <= q_idx
-    if family == "mistral" and config.get("sliding_window") is not None:
-        allowed &= kv_idx > q_idx - config["sliding_window"]
-    h = t["embed_tokens.weight"][tokens_BT]
-    for i in range(config["num_hidden_layers"]):
-        p = f"layers.{i}."
-        x = rms(h, t[p + "input_layernorm.weight"])
-        q = linear(x, p + "self_attn.q_proj").reshape(B, T, n_head, H)
-        k = linear(x, p + "self_attn.k_proj").reshape(B, T, n_kv, H)
-        v = linear(x, p + "self_attn.v_proj").reshape(B, T, n_kv, H)
-        if family == "qwen3":
-            q, k = rms(q, t[p + "self_attn.q_norm.weight"]), rms(k, t[p + "self_attn.k_norm.weight"])
-        q, k, v = rope(q.transpose(0, 2, 1, 3)), rope(k.transpose(0, 2, 1, 3)), v.transpose(0, 2, 1, 3)
-        k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
-        s = np.where(allowed, q @ k.transpose(0, 1, 3, 2) * H ** -0.5, -np.inf)
-        w = np.exp(s - s.max(-1, keepdims=True))
-        a = ((w / w.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(B, T, n_head * H)
-        h = h + linear(a, p + "self_attn.o_proj")
-        x = rms(h, t[p + "post_attention_layernorm.weight"])
-        gate = linear(x, p + "mlp.gate_proj")
-        h = h + linear(gate / (1 + np.exp(-gate)) * linear(x, p + "mlp.up_proj"), p + "mlp.down_proj")
-    head = t["embed_tokens.weight"] if config["tie_word_embeddings"] else t["lm_head.weight"]
-    return rms(h, t["norm.weight"]) @ head.T
 
 
 @nnx.jit
@@ -220,11 +141,11 @@ def test_published_configs_have_published_sizes(name):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_equal_float64_hf_forward(tmp_path, family):
     config = CONFIGS[family]
-    tensors = random_hf_tensors(config, seed=1)
+    tensors = random_hf_llama_tensors(config, seed=1)
     model = jaxdp.load_hf(write_hf_checkpoint(tmp_path, tensors, config))
     assert isinstance(model, Llama) and model.config.family == family
-    assert model.config.head_dim == head_dim(config)
-    expected = hf_forward_f64(tensors, PROMPT, config)
+    assert model.config.head_dim == hf_head_dim(config)
+    expected = hf_llama_forward_f64(tensors, PROMPT, config)
     assert np.abs(expected).max() > 1.0  # logits of order one: the comparison is not of near-zeros
     err = rel_err(logits_of(model, PROMPT), expected)
     assert err <= 1e-5, err
@@ -237,21 +158,16 @@ def test_logits_equal_float64_hf_forward(tmp_path, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_is_bit_identical(tmp_path, family):
     config = CONFIGS[family]
-    tensors = random_hf_tensors(config, seed=3)
+    tensors = random_hf_llama_tensors(config, seed=3)
     model = jaxdp.load_hf(write_hf_checkpoint(tmp_path / "in", tensors, config), dtype="bfloat16", remat="full")
     assert model.config.dtype == "bfloat16"
     jaxdp.save_hf(model, tmp_path / "out")
-    saved = read_safetensors(tmp_path / "out" / "model.safetensors")
-    assert set(saved) == set(tensors)
-    for name, array in saved.items():
-        assert array.dtype == np.float32 and array.tobytes() == tensors[name].tobytes(), name
-    with open(tmp_path / "out" / "config.json") as f:
-        written = json.load(f)
+    written = saved_hf_config_if_bit_identical(tmp_path / "out", tensors)
     assert written["model_type"] == family and written["architectures"] == config["architectures"]
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rope_theta",
                 "tie_word_embeddings", "max_position_embeddings", "rms_norm_eps"):
         assert written[key] == config[key], key
-    assert written["head_dim"] == head_dim(config)
+    assert written["head_dim"] == hf_head_dim(config)
     assert written.get("sliding_window") == (config["sliding_window"] if family == "mistral" else None)
     reloaded = jaxdp.load_hf(tmp_path / "out")
     assert reloaded.config == jaxdp.load_hf(tmp_path / "in").config
@@ -260,7 +176,7 @@ def test_round_trip_is_bit_identical(tmp_path, family):
 def test_model_type_from_architectures_and_gpt2_through_load_hf(tmp_path):
     """Without model_type the architectures class decides; GPT-2 and Llama keep loading through load_hf."""
     config = {k: v for k, v in CONFIGS["qwen2"].items() if k != "model_type"}
-    tensors = random_hf_tensors(CONFIGS["qwen2"], seed=4)
+    tensors = random_hf_llama_tensors(CONFIGS["qwen2"], seed=4)
     assert jaxdp.load_hf(write_hf_checkpoint(tmp_path / "q", tensors, config)).config.family == "qwen2"
     gpt2 = tiny_gpt2(seed=5)
     save_hf_gpt2(gpt2, tmp_path / "gpt2")
@@ -294,7 +210,7 @@ def _without(tensors, name):
 ])
 def test_unsupported_config_values_are_named(tmp_path, family, change, match):
     config = {k: v for k, v in dict(CONFIGS[family], **change).items() if v is not None or k not in change}
-    path = write_hf_checkpoint(tmp_path, random_hf_tensors(CONFIGS[family], seed=6), config)
+    path = write_hf_checkpoint(tmp_path, random_hf_llama_tensors(CONFIGS[family], seed=6), config)
     with pytest.raises(ValueError, match="config.json: " + match):
         jaxdp.load_hf(path)
 
@@ -306,14 +222,14 @@ def test_unsupported_config_values_are_named(tmp_path, family, change, match):
     ("mistral", "lm_head.weight", "tensor 'lm_head.weight' is missing"),
 ])
 def test_missing_tensors_are_named(tmp_path, family, drop, match):
-    tensors = _without(random_hf_tensors(CONFIGS[family], seed=7), drop)
+    tensors = _without(random_hf_llama_tensors(CONFIGS[family], seed=7), drop)
     with pytest.raises(ValueError, match="model.safetensors: " + match):
         jaxdp.load_hf(write_hf_checkpoint(tmp_path, tensors, CONFIGS[family]))
 
 
 def test_other_families_tensors_and_layouts_are_refused(tmp_path):
     """A Qwen3 checkpoint's q/k norms under a qwen2 config, a config no HF class expresses on save."""
-    qwen3 = random_hf_tensors(dict(CONFIGS["qwen3"], head_dim=8), seed=8)
+    qwen3 = random_hf_llama_tensors(dict(CONFIGS["qwen3"], head_dim=8), seed=8)
     untied_qwen2 = dict(CONFIGS["qwen2"], tie_word_embeddings=False)
     with pytest.raises(ValueError, match=r"unexpected tensor\(s\) \['layers.0.self_attn.k_norm.weight'"):
         jaxdp.load_hf(write_hf_checkpoint(tmp_path / "q", qwen3, untied_qwen2))
@@ -333,7 +249,7 @@ def test_other_families_tensors_and_layouts_are_refused(tmp_path):
 def test_per_example_grads_equal_reference(tmp_path, family):
     """Every parameter's per-example gradient (biases and q/k norm scales included) equals the vmap reference,
     with fallback=False (a parameter no rule covers would raise); the clipped sums too, flat and per layer."""
-    model = jaxdp.load_hf(write_hf_checkpoint(tmp_path, random_hf_tensors(CONFIGS[family], seed=9), CONFIGS[family]))
+    model = jaxdp.load_hf(write_hf_checkpoint(tmp_path, random_hf_llama_tensors(CONFIGS[family], seed=9), CONFIGS[family]))
     batch = lm_batch(seed=10, B=4, T=12, vocab_size=VOCAB)  # 12 tokens: Mistral's window of 8 masks keys
 
     @nnx.jit
@@ -349,20 +265,14 @@ def test_per_example_grads_equal_reference(tmp_path, family):
            "mistral": ("attn", "o_proj", "kernel")}[family]
     assert ("blocks", 1, *new) in fast  # the family's own parameters are among those compared
     assert max_rel_err(fast, ref) <= RTOL, max_rel_err(fast, ref)
-    graphdef, state = nnx.split(model)
-    norms = np.asarray(clipped_sums_and_reference(graphdef, state, batch, jnp.float32(1e6))["flat"]["norms"]["all"])
-    norms = np.sort(norms[norms > 0])  # C strictly between the per-example norms: some examples clipped
-    out = jax.device_get(clipped_sums_and_reference(graphdef, state, batch, jnp.float32(np.sqrt(norms[0] * norms[-1]))))
-    for clipping, sums in out.items():
-        assert max_rel_err(sums["fast"], sums["expected"]) <= RTOL, clipping
-    assert max_rel_err(out["flat"]["fast"], out["flat"]["planted"]) > 10 * RTOL
+    assert_clipped_sums_equal_reference(model, batch)
 
 
 def test_layer_without_rule_is_refused_by_name(tmp_path):
     """A q norm that is not a jaxdp layer (flax's own RMSNorm: no tap) is named, never skipped."""
-    model = jaxdp.load_hf(write_hf_checkpoint(tmp_path, random_hf_tensors(CONFIGS["qwen3"], seed=11),
+    model = jaxdp.load_hf(write_hf_checkpoint(tmp_path, random_hf_llama_tensors(CONFIGS["qwen3"], seed=11),
                                               CONFIGS["qwen3"]))
-    model.blocks[0].attn.q_norm = nnx.RMSNorm(head_dim(CONFIGS["qwen3"]), epsilon=1e-6, rngs=nnx.Rngs(0))
+    model.blocks[0].attn.q_norm = nnx.RMSNorm(hf_head_dim(CONFIGS["qwen3"]), epsilon=1e-6, rngs=nnx.Rngs(0))
     batch = lm_batch(seed=12, B=2, T=6, vocab_size=VOCAB)
     with pytest.raises(ValueError, match="no per-example gradient rule covers parameter.*blocks/0/attn/q_norm/scale"):
         nnx.jit(jaxdp.per_example_grads(lm_loss, fallback=False))(model, batch)  # raised while tracing
@@ -394,7 +304,7 @@ def test_bitfit_trains_the_qwen2_biases(tmp_path):
     its kernel frozen) equal the vmap reference with no fallback."""
     from jaxdp.finetune import methods as finetune
 
-    model = jaxdp.load_hf(write_hf_checkpoint(tmp_path, random_hf_tensors(CONFIGS["qwen2"], seed=13),
+    model = jaxdp.load_hf(write_hf_checkpoint(tmp_path, random_hf_llama_tensors(CONFIGS["qwen2"], seed=13),
                                               CONFIGS["qwen2"]))
     finetune.prepare(model, "bitfit", rngs=nnx.Rngs(0))
     assert sorted(finetune.trainable_paths(model)) == sorted(

@@ -3,11 +3,14 @@
 import json
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from dp_testing import write_hf_checkpoint
+from dp_testing import (
+    hf_llama_forward_f64,
+    random_hf_llama_tensors,
+    saved_hf_config_if_bit_identical,
+    write_hf_checkpoint,
+)
 from flax import nnx
 
 from jaxdp.models.hf_llama import load_hf_llama, save_hf_llama
@@ -23,89 +26,12 @@ HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
 TIED = dict(HF_CONFIG, tie_word_embeddings=True, rope_scaling=None, rope_theta=10000.0)
 
 
-def random_hf_tensors(seed, tied=False):
-    """A random Llama in HF's names (`model.` prefix) and torch Linear (out, in) layout."""
-    rng = np.random.default_rng(seed)
-    H = D // N_HEAD
-
-    def normal(*shape, std=0.3):
-        return (std * rng.standard_normal(shape)).astype(np.float32)
-
-    t = {"model.embed_tokens.weight": normal(VOCAB, D), "model.norm.weight": 1 + normal(D, std=0.1)}
-    shapes = {"self_attn.q_proj": (N_HEAD * H, D), "self_attn.k_proj": (N_KV * H, D), "self_attn.v_proj": (N_KV * H, D),
-              "self_attn.o_proj": (D, N_HEAD * H), "mlp.gate_proj": (D_FF, D), "mlp.up_proj": (D_FF, D),
-              "mlp.down_proj": (D, D_FF)}
-    for i in range(N_LAYER):
-        p = f"model.layers.{i}."
-        for name, (o, n) in shapes.items():
-            t[p + name + ".weight"] = normal(o, n, std=1 / np.sqrt(n))
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            t[p + norm + ".weight"] = 1 + normal(D, std=0.1)
-    if not tied:
-        t["lm_head.weight"] = normal(VOCAB, D)
-    return t
-
-
-def hf_inv_freq(config):
-    """HF's rotary inverse frequencies, with `_compute_llama3_parameters` when rope_scaling is set."""
-    H = D // N_HEAD
-    inv = 1.0 / config["rope_theta"] ** (np.arange(0, H, 2, dtype=np.float64) / H)
-    s = config["rope_scaling"]
-    if s is None:
-        return inv
-    factor, low, high, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
-    wavelen = 2 * np.pi / inv
-    llama = np.where(wavelen > old / low, inv / factor, inv)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * llama / factor + smooth * llama
-    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-    return np.where(medium, smoothed, llama)
-
-
-def hf_forward_f64(t, tokens_BT, config):
-    """Llama logits as HF's modeling_llama computes them, in float64 NumPy, from HF tensor names."""
-    t = {k.removeprefix("model."): np.asarray(v, np.float64) for k, v in t.items()}
-    B, T = tokens_BT.shape
-    H, rep = D // N_HEAD, N_HEAD // N_KV
-
-    def rms(x, name):
-        return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + config["rms_norm_eps"]) * t[name + ".weight"]
-
-    def linear(x, name):  # torch Linear: x @ weight.T
-        return x @ t[name + ".weight"].T
-
-    def rope(x):  # (B, heads, T, H), rotate_half
-        freqs = np.arange(T)[:, None] * hf_inv_freq(config)[None, :]
-        emb = np.concatenate([freqs, freqs], -1)
-        x1, x2 = x[..., :H // 2], x[..., H // 2:]
-        return x * np.cos(emb) + np.concatenate([-x2, x1], -1) * np.sin(emb)
-
-    h = t["embed_tokens.weight"][tokens_BT]
-    causal = np.tril(np.ones((T, T), bool))
-    for i in range(N_LAYER):
-        p = f"layers.{i}."
-        x = rms(h, p + "input_layernorm")
-        q = rope(linear(x, p + "self_attn.q_proj").reshape(B, T, N_HEAD, H).transpose(0, 2, 1, 3))
-        k = rope(linear(x, p + "self_attn.k_proj").reshape(B, T, N_KV, H).transpose(0, 2, 1, 3))
-        v = linear(x, p + "self_attn.v_proj").reshape(B, T, N_KV, H).transpose(0, 2, 1, 3)
-        k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)  # repeat_kv: head n reads kv head n // rep
-        s = np.where(causal, q @ k.transpose(0, 1, 3, 2) / np.sqrt(H), -np.inf)
-        w = np.exp(s - s.max(-1, keepdims=True))
-        a = ((w / w.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(B, T, N_HEAD * H)
-        h = h + linear(a, p + "self_attn.o_proj")
-        x = rms(h, p + "post_attention_layernorm")
-        gate = linear(x, p + "mlp.gate_proj")
-        h = h + linear(gate / (1 + np.exp(-gate)) * linear(x, p + "mlp.up_proj"), p + "mlp.down_proj")
-    head = t["embed_tokens.weight"] if config["tie_word_embeddings"] else t["lm_head.weight"]
-    return rms(h, "norm") @ head.T
-
-
 @pytest.mark.parametrize("config", [HF_CONFIG, TIED], ids=["untied-llama3-rope", "tied-plain-rope"])
 def test_logits_equal_float64_hf_forward(tmp_path, config):
-    tensors = random_hf_tensors(seed=1, tied=config["tie_word_embeddings"])
+    tensors = random_hf_llama_tensors(config, seed=1)
     model = load_hf_llama(write_hf_checkpoint(tmp_path, tensors, config))
     tokens = np.random.default_rng(2).integers(0, VOCAB, (3, 40))
-    expected = hf_forward_f64(tensors, tokens, config)
+    expected = hf_llama_forward_f64(tensors, tokens, config)
     actual = np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens), np.float64)
     assert np.abs(expected).max() > 1.0  # logits of order one: the comparison is not of near-zeros
     err = np.abs(actual - expected).max() / np.abs(expected).max()
@@ -113,38 +39,33 @@ def test_logits_equal_float64_hf_forward(tmp_path, config):
     # Planted: a small change of one weight, the key / value head grouping, or the RoPE scaling is caught.
     k = "model.layers.1.self_attn.k_proj.weight"
     planted = dict(tensors, **{k: tensors[k] + 1e-3})
-    assert np.abs(hf_forward_f64(planted, tokens, config) - actual).max() / np.abs(expected).max() > 1e-5
+    assert np.abs(hf_llama_forward_f64(planted, tokens, config) - actual).max() / np.abs(expected).max() > 1e-5
     swapped = dict(tensors, **{k: np.roll(tensors[k], D // N_HEAD, axis=0)})
-    assert np.abs(hf_forward_f64(swapped, tokens, config) - actual).max() / np.abs(expected).max() > 1e-5
+    assert np.abs(hf_llama_forward_f64(swapped, tokens, config) - actual).max() / np.abs(expected).max() > 1e-5
     other = dict(config, rope_theta=config["rope_theta"] * 2)
-    assert np.abs(hf_forward_f64(tensors, tokens, other) - actual).max() / np.abs(expected).max() > 1e-5
+    assert np.abs(hf_llama_forward_f64(tensors, tokens, other) - actual).max() / np.abs(expected).max() > 1e-5
 
 
 def test_round_trip_is_byte_identical(tmp_path):
-    tensors = random_hf_tensors(seed=3)
+    tensors = random_hf_llama_tensors(HF_CONFIG, seed=3)
     model = load_hf_llama(write_hf_checkpoint(tmp_path / "in", tensors, HF_CONFIG), dtype="bfloat16", remat="full")
     assert model.config.dtype == "bfloat16" and model.config.rope_scaling == 8.0
     save_hf_llama(model, tmp_path / "out")
-    saved = read_safetensors(tmp_path / "out" / "model.safetensors")
-    assert set(saved) == set(tensors)
-    for name, array in saved.items():
-        assert array.dtype == np.float32 and array.tobytes() == tensors[name].tobytes(), name
-    with open(tmp_path / "out" / "config.json") as f:
-        written = json.load(f)
+    written = saved_hf_config_if_bit_identical(tmp_path / "out", tensors)
     assert {k: written[k] for k in HF_CONFIG if k != "architectures"} == \
         {k: v for k, v in HF_CONFIG.items() if k != "architectures"}
     assert load_hf_llama(tmp_path / "out").config == load_hf_llama(tmp_path / "in").config
 
 
 def test_bad_checkpoints_are_named(tmp_path):
-    good = random_hf_tensors(seed=4)
+    good = random_hf_llama_tensors(HF_CONFIG, seed=4)
     k = "model.layers.1.mlp.down_proj.weight"
     with pytest.raises(ValueError, match=f"model.safetensors: tensor '{k[6:]}' has shape"):
         load_hf_llama(write_hf_checkpoint(tmp_path / "shape", dict(good, **{k: good[k].T.copy()}), HF_CONFIG))
     with pytest.raises(ValueError, match="model.safetensors: tensor 'lm_head.weight' is missing"):
         load_hf_llama(write_hf_checkpoint(tmp_path / "nohead", {n: v for n, v in good.items() if n != "lm_head.weight"},
                                           HF_CONFIG))
-    tied = dict(random_hf_tensors(seed=4, tied=True), **{"lm_head.weight": good["lm_head.weight"]})
+    tied = dict(random_hf_llama_tensors(TIED, seed=4), **{"lm_head.weight": good["lm_head.weight"]})
     with pytest.raises(ValueError, match="lm_head.weight.*differs.*tie_word_embeddings"):
         load_hf_llama(write_hf_checkpoint(tmp_path / "untied", tied, TIED))
     for key, value, match in [("hidden_act", "gelu", "hidden_act='gelu'.*allowed"),
@@ -175,7 +96,7 @@ def test_attacker_built_checkpoints_are_refused(tmp_path):
     """The attacker's review 7: a checkpoint that would load as another model, or read outside its
     directory, is a ValueError naming the file; transformers 5's rope_parameters layout loads the same
     model as the old keys."""
-    good = random_hf_tensors(seed=4)
+    good = random_hf_llama_tensors(HF_CONFIG, seed=4)
     names = sorted(good)
     half = {n: ("a.safetensors" if i % 2 else "b.safetensors") for i, n in enumerate(names)}
     model = load_hf_llama(_sharded(tmp_path / "sharded", good, half))  # the well-formed sharded one loads
@@ -242,23 +163,17 @@ def test_malformed_safetensors_are_refused(tmp_path):
 
 def test_dp_lora_on_imported_llama_equals_reference(tmp_path):
     """DP-LoRA on q / v of an imported Llama: clipped sums equal the vmap reference (flat and per layer)."""
-    from dp_testing import RTOL, clipped_sums_and_reference, lm_batch, max_rel_err
+    from dp_testing import assert_clipped_sums_equal_reference, lm_batch
 
     from jaxdp.finetune import methods as finetune
     from jaxdp.finetune.settings import LoRA
 
-    model = load_hf_llama(write_hf_checkpoint(tmp_path, random_hf_tensors(seed=5), HF_CONFIG))
+    model = load_hf_llama(write_hf_checkpoint(tmp_path, random_hf_llama_tensors(HF_CONFIG, seed=5), HF_CONFIG))
     finetune.prepare(model, "lora", options=LoRA(rank=4, targets=("attn/q_proj", "attn/v_proj")), rngs=nnx.Rngs(6))
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):  # LoRA's B starts at 0: give it values
         var.set_value(0.1 * np.random.default_rng(len(path)).standard_normal(var.shape).astype(np.float32))
     assert {p[-2] for p in finetune.trainable_paths(model)} == {"lora_a", "lora_b"}
     batch = lm_batch(seed=7, B=4, T=10, vocab_size=VOCAB)
-    graphdef, state = nnx.split(model)
-    norms = np.asarray(clipped_sums_and_reference(graphdef, state, batch, jnp.float32(1e6))["flat"]["norms"]["all"])
-    norms = np.sort(norms[norms > 0])  # C strictly between the per-example norms: some examples clipped
-    out = jax.device_get(clipped_sums_and_reference(graphdef, state, batch, jnp.float32(np.sqrt(norms[0] * norms[-1]))))
-    for clipping, sums in out.items():
-        assert max_rel_err(sums["fast"], sums["expected"]) <= RTOL, clipping
-    assert max_rel_err(out["flat"]["fast"], out["flat"]["planted"]) > 10 * RTOL
+    assert_clipped_sums_equal_reference(model, batch)
     with pytest.raises(ValueError, match="'bitfit' leaves no trainable parameter in this Llama"):
         finetune.prepare(load_hf_llama(tmp_path), "bitfit", rngs=nnx.Rngs(0))

@@ -18,6 +18,15 @@ REFERENCE = json.loads((pathlib.Path(__file__).parent / "data" / "mf_reference.j
 FIXED = REFERENCE["bandmf_fixed"]
 
 
+def assert_minsep_sensitivities_equal(mechanism, n, expected):
+    """Our squared min-separation sensitivities equal jax_privacy's {"min_sep,k": value} (k "None": any number
+    of participations), within 1e-9 relative."""
+    for key, value in expected.items():
+        min_sep, k = key.split(",")
+        got = strategies.sensitivity(mechanism, n, int(min_sep), None if k == "None" else int(k)) ** 2
+        assert got == pytest.approx(value, rel=1e-9), key
+
+
 @pytest.mark.parametrize("n", sorted(FIXED["n"]))
 def test_banded_toeplitz_functions_equal_jax_privacy(n):
     ref, mechanism, n = FIXED["n"][n], BandMF(tuple(FIXED["coef"])), int(n)
@@ -26,10 +35,7 @@ def test_banded_toeplitz_functions_equal_jax_privacy(n):
     np.testing.assert_allclose(pq, ref["per_query_error"], rtol=1e-12)
     assert np.mean(pq) == pytest.approx(ref["loss_mean"], rel=1e-12)  # ||coef|| = 1: loss = error
     assert pq[-1] == pytest.approx(ref["loss_max"], rel=1e-12)
-    for key, expected in ref["minsep_sensitivity_squared"].items():
-        min_sep, k = key.split(",")
-        got = strategies.sensitivity(mechanism, n, int(min_sep), None if k == "None" else int(k)) ** 2
-        assert got == pytest.approx(expected, rel=1e-9), key
+    assert_minsep_sensitivities_equal(mechanism, n, ref["minsep_sensitivity_squared"])
 
 
 @pytest.mark.parametrize("case", REFERENCE["blt_fixed"], ids=lambda c: f"blt{len(c['buf_decay'])}")
@@ -44,10 +50,7 @@ def test_blt_functions_equal_jax_privacy(case):
     assert single == pytest.approx(case["sensitivity_squared"], rel=1e-9)
     assert pq[-1] == pytest.approx(case["max_error"], rel=1e-9)
     assert pq[-1] * single == pytest.approx(case["max_loss"], rel=1e-9)
-    for key, expected in case["minsep_sensitivity_squared"].items():
-        min_sep, k = key.split(",")
-        got = strategies.sensitivity(mechanism, n, int(min_sep), None if k == "None" else int(k)) ** 2
-        assert got == pytest.approx(expected, rel=1e-9), key
+    assert_minsep_sensitivities_equal(mechanism, n, case["minsep_sensitivity_squared"])
 
 
 @pytest.mark.parametrize("case", REFERENCE["bandmf_optimised"], ids=lambda c: f"n{c['n']}_b{c['bands']}")
