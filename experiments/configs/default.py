@@ -82,5 +82,8 @@ def get_config() -> config_dict.ConfigDict:
     c.dp.overflow = "truncate"           # Poisson draw above max_batch_size: "truncate" | "resample" | "error"
     c.dp.secure_noise = False            # True: noise of 4 draws per value and the noisy sum snapped to a grid
                                          # (against floating-point attacks on released noisy sums; jaxdp.noise.draws)
+    c.dp.mechanism = "dpsgd"             # "dpsgd" (independent noise) | "bandmf" (correlated noise, cyclic Poisson
+                                         # sampling over `bands` groups) | "auto" (the planner's least-noise choice)
+    c.dp.bands = config_dict.placeholder(int)  # BandMF's bands b; None (or 0): the planner picks b ("bandmf", "auto")
     c.lock()
     return c

@@ -37,6 +37,7 @@ class ConfigError(ValueError):
 
 MODEL_FAMILIES = ("gpt2", "llama")
 PRIVACY_UNITS = ("window", "document", "user")
+NOISE_MECHANISMS = ("dpsgd", "bandmf", "auto")  # config.dp.mechanism (`jaxdp.training.noise_choice`)
 
 # The fields of `config.model` for each family, besides `family` itself.
 MODEL_FIELDS = {
@@ -134,6 +135,33 @@ def _validate_model(config) -> None:
                  f"config.model.rope_scaling must be None or >= 1, got {m.rope_scaling!r}")
         _require(isinstance(m.tie_embeddings, bool),
                  f"config.model.tie_embeddings must be True or False, got {m.tie_embeddings!r}")
+
+
+def _validate_mechanism(config) -> None:
+    """config.dp.mechanism and config.dp.bands (what needs N, e.g. bands x batch_size <= N, is checked by
+    `jaxdp.training.noise_choice.choose`)."""
+    dp = config.dp
+    mechanism, bands = dp.get("mechanism", "dpsgd"), dp.get("bands")
+    _require(mechanism != "blt",
+             "config.dp.mechanism='blt' is not run by the jobs: BLT is accounted as one un-amplified release of the "
+             "whole run, which no per-step budget stop or resume can count, and its strategy needs jaxdp[mf]; use "
+             "config.dp.mechanism='bandmf' (amplified, cyclic Poisson sampling) or 'auto' (library users: "
+             "jaxdp.noise.mechanisms.BLT in a GaussianPrivatizer)")
+    _require(mechanism in NOISE_MECHANISMS,
+             f"config.dp.mechanism must be one of {NOISE_MECHANISMS}, got {mechanism!r}")
+    _require(bands is None or (isinstance(bands, int) and not isinstance(bands, bool) and bands >= 0),
+             f"config.dp.bands must be None or 0 (the planner picks), or an integer >= 1, got {bands!r}")
+    _require(mechanism != "dpsgd" or not bands,
+             f"config.dp.bands = {bands!r} applies to config.dp.mechanism='bandmf' or 'auto'; DP-SGD has no "
+             "bands (leave config.dp.bands None)")
+    _require(not bands or bands <= config.steps,
+             f"config.dp.bands = {bands} exceeds config.steps = {config.steps}: BandMF needs bands <= steps")
+    _require(mechanism == "dpsgd" or bands or config.memory_budget_gb is None or not dp.enabled,
+             f"config.memory_budget_gb counts the noise buffers, whose number the planner would choose "
+             f"(config.dp.mechanism={mechanism!r}, config.dp.bands None): set config.dp.bands")
+    _require(mechanism != "auto" or not dp.enabled or dp.noise_multiplier is None,
+             "config.dp.mechanism='auto' calibrates sigma for each mechanism it compares: leave "
+             f"config.dp.noise_multiplier None (got {dp.noise_multiplier!r}), or name the mechanism")
 
 
 def validate_config(config) -> None:
@@ -245,6 +273,7 @@ def validate_config(config) -> None:
              f"config.dp.secure_noise must be True or False, got {dp.secure_noise!r}")
     _require(dp.overflow in OVERFLOW_MODES,
              f"config.dp.overflow must be one of {OVERFLOW_MODES}, got {dp.overflow!r}")
+    _validate_mechanism(config)
     if dp.enabled:
         _require(dp.target_epsilon is not None and dp.target_epsilon > 0 and math.isfinite(dp.target_epsilon),
                  f"config.dp.target_epsilon must be a finite number > 0, got {dp.target_epsilon!r}")

@@ -36,7 +36,7 @@ from jaxdp.noise import draws as noise_lib
 from jaxdp.noise import seeds
 from jaxdp.sampling import poisson as sampling
 from jaxdp.sharding import processes
-from jaxdp.training import hosts
+from jaxdp.training import hosts, noise_choice
 from jaxdp.training.config import build_model, runs_sharded_step
 from jaxdp.training.generation import write_samples
 from jaxdp.training.preparation import Prepared, mechanism, prepare
@@ -96,6 +96,8 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
         log(f"{p.workdir} holds this run, finished at step {finished['steps']}: nothing to do (no file rewritten)",
             verbose)
         return finished
+    if p.records_noise_mechanism:  # config.dp.mechanism "bandmf" / "auto": what runs (and the planner's table)
+        log(noise_choice.startup_text(p), verbose)
     processes.barrier("jaxdp: prepared")  # no process still reads the workdir's config.json when process 0 writes it
     if hosts.writes_run_dir():
         _open_run_dir(p, verbose)  # from here on the workdir is written
@@ -107,7 +109,8 @@ def train(config, *, prepared: Prepared | None = None, interrupt_after: int | No
     clock = run.clock
     initial_val_loss = rows[0]["val_loss"]
 
-    sharded = ShardedTrainer(config, model, optimizer, p.noise_multiplier) if runs_sharded_step(config) else None
+    sharded = (ShardedTrainer(config, model, optimizer, p.noise_multiplier, p.noise.mechanism)
+               if runs_sharded_step(config) else None)
     step_fn = _step_fn(config, p, sharded)
     progress = Progress(config.steps, verbose, accountant=config.accountant if config.dp.enabled else None)
     window_losses, last_row, stop_reason = [], rows[-1], None
@@ -269,13 +272,13 @@ def _build(config, p: Prepared):
     optimizer = make_optimizer(config, model, noise_multiplier=p.noise_multiplier,
                                expected_batch_size=config.batch_size,
                                noise_key=noise_lib.noise_key_from_seed(p.derive_seed(seeds.NOISE)),
-                               accumulation_steps=p.accumulation_steps)
+                               accumulation_steps=p.accumulation_steps, mechanism=p.noise.mechanism)
     tracker = None
-    if config.dp.enabled:
-        tracker = BudgetTracker(p.noise_multiplier, p.sampler.sampling_probability, p.delta_mechanism,
-                                target_epsilon=config.dp.target_epsilon,
-                                accountant=config.accountant,
-                                value_discretization_interval=p.pld_interval)
+    if config.dp.enabled:  # DP-SGD: q over the steps; BandMF: q_b over ceil(steps / b) rounds
+        tracker = BudgetTracker.of(p.accounting(), p.noise_multiplier, p.delta_mechanism,
+                                   target_epsilon=config.dp.target_epsilon,
+                                   accountant=config.accountant,
+                                   value_discretization_interval=p.pld_interval)
     return model, optimizer, tracker
 
 

@@ -25,7 +25,9 @@ data's key (SHA-256 of the corpus, ids, tokenizer and split), N, q, the padded
 batch, sigma, delta and its split. A resume must reproduce it from the config
 and the data on disk now, or `prepare` refuses (`ConfigError` naming each field
 that changed), and then runs on the kept floats, so the steps after a resume are
-the mechanism the restored accountant counts. A directory whose run finished
+the mechanism the restored accountant counts. With `config.dp.mechanism` other than "dpsgd" the kept
+mechanism also names the noise mechanism (`jaxdp.training.noise_choice`), its bands, the group's sampling
+probability and the strategy's coefficients, which a resume runs on as kept. A directory whose run finished
 (`model/`, `summary.json`, `privacy.json` or `samples.txt`) but lost its checkpoints is refused: a new run
 there would spend the data's budget again under the same receipt.
 """
@@ -59,7 +61,7 @@ from jaxdp.sampling.poisson import (
     overflow_slack,
 )
 from jaxdp.sharding import processes
-from jaxdp.training import steps
+from jaxdp.training import noise_choice, steps
 from jaxdp.training.config import (
     ConfigError,
     _require,
@@ -116,6 +118,9 @@ class Prepared:
     # init weights under the same path is refused; None when pretraining.
     init_key: str | None = None
     num_units: int = 0                 # N: the training units (windows, documents or users)
+    # The noise mechanism (config.dp.mechanism / bands): DP-SGD, or BandMF with its coefficients; the sampler
+    # is then cyclic Poisson over its bands (`jaxdp.training.noise_choice`).
+    noise: noise_choice.NoiseChoice = noise_choice.NoiseChoice()
 
     def sample(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The Poisson sample of `step` (indices, mask), with `config.privacy.num_units_bound` B: drawn over B
@@ -132,6 +137,17 @@ class Prepared:
         """A pinned root seed below 2^64 (`jaxdp.noise.seeds.guessable_seed`): searchable, so a DP run has no guarantee."""
         return self.seed_pinned and seeds.guessable_seed(self.root_seed)
 
+    def accounting(self, steps: int | None = None):
+        """What the accountant counts after `steps` steps (default config.steps):
+        `jaxdp.accounting.mechanisms.MechanismAccounting` of the run's mechanism and sampler."""
+        return self.noise.accounting(self.config.steps if steps is None else steps, self.sampler)
+
+    @property
+    def records_noise_mechanism(self) -> bool:
+        """Whether the run's files name its noise mechanism: config.dp.mechanism is not the default "dpsgd"
+        (a default run's config.json, checkpoints and receipt are those of before the field existed)."""
+        return self.config.dp.enabled and self.config.dp.get("mechanism", "dpsgd") != "dpsgd"
+
     def derive_seed(self, domain: str, *path: str | int) -> int:
         """The seed of one use of randomness (`jaxdp.noise.seeds.derive_seed` of the root)."""
         return seeds.derive_seed(self.root_seed, domain, *path)
@@ -141,7 +157,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     """Validates the config and builds data, tokenizer, sampler and sigma; writes nothing to the workdir."""
     validate_config(config)
     workdir = pathlib.Path(config.workdir)
-    cfg_json = json.loads(config.to_json_best_effort(sort_keys=True))
+    cfg_json = _without_default_mechanism(json.loads(config.to_json_best_effort(sort_keys=True)))
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"config.workdir {workdir} exists and is not a directory")
     try:
@@ -234,6 +250,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
         k = plan_accumulation(config, sampler.max_batch_size, tokenizer.vocab_size, progress=progress)
     sampler.max_batch_size = _round_batch(config, sampler.max_batch_size, k)
     delta_mechanism = slack = None
+    noise = noise_choice.NoiseChoice()
     sigma, pld_interval = 0.0, accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL
     if dp.enabled:
         slack = overflow_slack(dp.target_epsilon, config.steps, sampler.overflow_probability)
@@ -248,9 +265,15 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
                 f"= {delta * DEFAULT_SLACK_FRACTION:.2g}; the smallest max_batch_size accepted is {accepted} "
                 "(None sizes it)")
         delta_mechanism = delta - slack
-        sigma, pld_interval = _noise_multiplier(config, sampler.sampling_probability, delta_mechanism)
+        noise = noise_choice.choose(config, population, delta_mechanism)
+        try:
+            sampler = noise.sampler(sampler)  # BandMF: cyclic Poisson over its bands, same overflow probability
+        except ValueError as e:
+            raise ConfigError(f"sampler: {e}") from None
+        run = noise.accounting(config.steps, sampler)
+        sigma, pld_interval = _noise_multiplier(config, run.sampling_probability, run.rounds, delta_mechanism)
         if dp.noise_multiplier is not None and dp.target_epsilon is not None:  # else a run that cannot take one step
-            first = accounting.epsilon(sigma, sampler.sampling_probability, 1, delta_mechanism,
+            first = accounting.epsilon(sigma, run.sampling_probability, 1, delta_mechanism,
                                        accountant=config.accountant, value_discretization_interval=pld_interval)
             _require(first <= dp.target_epsilon,
                      f"config.dp.noise_multiplier = {sigma:g} spends epsilon {first:.4g} in the first step, above "
@@ -264,7 +287,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
                  pld_interval=pld_interval,
                  eval_indices=eval_indices, root_seed=root_seed, seed_pinned=seed_pinned, delta=delta,
                  delta_mechanism=delta_mechanism, sampling_slack=slack, delta_from=delta_from,
-                 max_batch_size_from=max_batch_size_from, init_key=init_key, num_units=n)
+                 max_batch_size_from=max_batch_size_from, init_key=init_key, num_units=n, noise=noise)
     # ... and what each computed from it: sigma, q, the batches (library versions, JAX flags, token caches)
     processes.agree("prepare: run", root_seed=p.derive_seed("hosts agree"), mechanism=mechanism(p),
                     train_windows=train.content_arrays(), validation_windows=valid.content_arrays(),
@@ -299,7 +322,26 @@ def mechanism(p: Prepared) -> dict:
             "train_data": p.train.data_key, "num_units": p.num_units,
             "sampling_probability": p.sampler.sampling_probability, "max_batch_size": p.sampler.max_batch_size,
             "delta": p.delta, **{k: getattr(p, k) for k in _DERIVED},
-            **({} if p.init_key is None else {"init_weights": p.init_key})}
+            **({} if p.init_key is None else {"init_weights": p.init_key}),
+            **(_noise_mechanism(p) if p.records_noise_mechanism else {})}
+
+
+def _noise_mechanism(p: Prepared) -> dict:
+    """The noise mechanism's part of `mechanism(p)` (a run with config.dp.mechanism other than "dpsgd")."""
+    run = p.accounting()
+    return {"noise_mechanism": p.noise.kind, "bands": p.noise.bands,
+            "group_sampling_probability": run.sampling_probability if p.noise.kind == "bandmf" else None,
+            "strategy_coefs": list(p.noise.coefs)}
+
+
+def _without_default_mechanism(cfg_json: dict) -> dict:
+    """`cfg_json` without config.dp.mechanism = "dpsgd" and config.dp.bands = None, the defaults: a DP-SGD run's
+    config.json and checkpoints are those it wrote before the fields existed, and such runs still resume."""
+    dp = cfg_json.get("dp") or {}
+    if dp.get("mechanism", "dpsgd") == "dpsgd" and not dp.get("bands"):
+        dp.pop("mechanism", None)
+        dp.pop("bands", None)
+    return cfg_json
 
 
 def _continued(p: Prepared, meta: dict) -> Prepared:
@@ -322,12 +364,17 @@ def _continued(p: Prepared, meta: dict) -> Prepared:
             f"workdir {p.workdir} holds a run whose accountant counted another mechanism than this config and "
             f"data give now ({changes}{'; ...' if len(diff) > 6 else ''}): resuming would account the new "
             "steps as the old mechanism; restore the config and the data, or pass a new --config.workdir")
-    return dataclasses.replace(p, **{k: kept[k] for k in _DERIVED})
+    p = dataclasses.replace(p, **{k: kept[k] for k in _DERIVED})
+    if "strategy_coefs" in kept:  # the coefficients the buffers were built with
+        p = dataclasses.replace(p, noise=dataclasses.replace(p.noise, coefs=tuple(kept["strategy_coefs"])))
+    return p
 
 
 def _same(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
 
 
@@ -336,20 +383,22 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _noise_multiplier(config, q: float, delta: float) -> tuple[float, float]:
+def _noise_multiplier(config, q: float, rounds: int, delta: float) -> tuple[float, float]:
     """(sigma: config.dp.noise_multiplier, else calibrated to dp.target_epsilon; the PLD grid spacing
-    the run accounts with: `accounting.pld_interval` at that sigma, unused by RDP)."""
+    the run accounts with: `accounting.pld_interval` at that sigma, unused by RDP), for the Poisson-subsampled
+    Gaussian at `q` over `rounds` compositions (DP-SGD: q and config.steps; BandMF: q_b and ceil(steps / b),
+    as `jaxdp.accounting.mechanisms.calibrate_for`)."""
     fixed = config.dp.noise_multiplier
 
     def calibrate(interval):
-        return calibration.calibrate_noise_multiplier(config.dp.target_epsilon, q, config.steps, delta,
+        return calibration.calibrate_noise_multiplier(config.dp.target_epsilon, q, rounds, delta,
                                                      accountant=config.accountant,
                                                      value_discretization_interval=interval)
     if config.accountant == "rdp":
         interval = accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL
         return float(fixed) if fixed is not None else calibrate(interval), interval
     sigma = float(fixed) if fixed is not None else calibrate(1e-2)  # cheap; then at the spacing it needs
-    interval = accounting.pld_interval(sigma, q, config.steps, delta)
+    interval = accounting.pld_interval(sigma, q, rounds, delta)
     return (sigma if fixed is not None else calibrate(interval)), interval
 
 
@@ -370,7 +419,8 @@ def plan_accumulation(config, max_batch_size: int, vocab_size: int, *, progress:
     nothing fits fails at once), then twice as many micro-batches, ... (micro-batch
     ceil(max_batch_size / k)) until the single-device step's compiled bytes (`memory_analysis()`:
     arguments + outputs + temporaries - aliased) fit the budget. The logical batch, hence the
-    guarantee, is unchanged: noise is still added once per logical batch. Compiles on shapes only.
+    guarantee, is unchanged: noise is still added once per logical batch. Compiles on shapes only; a BandMF
+    run's compiled step holds its buffers (`noise_choice.planned_mechanism`).
     """
     budget = config.memory_budget_gb * 2**30
     mc = model_config(config.model, vocab_size, dtype=config.dtype, remat=config.remat)
@@ -378,7 +428,7 @@ def plan_accumulation(config, max_batch_size: int, vocab_size: int, *, progress:
 
     def fits(k):
         micro = -(-max_batch_size // k)
-        nbytes = steps.compiled_step_bytes(config, model, micro, k)
+        nbytes = steps.compiled_step_bytes(config, model, micro, k, noise_choice.planned_mechanism(config))
         ok = nbytes <= budget
         if progress is not None or not ok:
             print(f"micro-batch {micro} (accumulation {k}): compiled step {nbytes / 2**30:.2f} GiB "

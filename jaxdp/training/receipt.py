@@ -9,6 +9,12 @@ accountant and its delta, the epsilon spent, the audit's lower bound when
 one ran (`record_audit`, from `python -m experiments.audit` with
 `config.audit.record_in`), and which outputs of the run lie outside the guarantee.
 
+A run with `config.dp.mechanism` "bandmf" or "auto" also names its noise mechanism (`noise_mechanism`: the
+kind, bands, the strategy's coefficients with their SHA-256 and source, its sensitivity, the sampling and
+the DpEvent it was accounted as, `jaxdp.accounting.mechanisms.describe`) and, when the planner chose, its
+table (`noise_plan`); never the secret partition of the units into groups. A default (DP-SGD) run's receipt
+is as before these fields.
+
 It holds no secret (no seed, key or loss) and may be shared; like
 `epsilon.png` it gives the sampling rate q = batch_size / N, hence N, unless
 `config.privacy.num_units_bound` B is set (q = batch_size / B).
@@ -20,9 +26,11 @@ import json
 import math
 import pathlib
 
+from jaxdp.accounting import mechanisms as mechanisms_accounting
 from jaxdp.clipping import rules as clipping_lib
 from jaxdp.clipping.rules import SENSITIVITY_FACTOR
 from jaxdp.data.corpus import TEXT_SECTION_CHARS, is_single_text_file
+from jaxdp.training import noise_choice
 from jaxdp.training.run_dir import read_json, write_text_atomic
 
 PRIVACY_FILE = "privacy.json"
@@ -182,7 +190,10 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         outside["privacy.json, epsilon.png (sampling_probability)"] = (
             "q = batch_size / num_units_bound: the public bound, not N (N is in summary.json and the metrics)")
     guessable = p.seed_guessable
-    return {
+    noise, cyclic = p.noise, p.noise.kind == "bandmf"
+    if cyclic:
+        outside["checkpoints/"] += ("; and BandMF's noise buffers (the past steps' noise, as secret as the key)")
+    receipt = {
         "dp": True,
         "guarantee": (GUESSABLE_SEED_NOTE if guessable else "") + (
             f"({epsilon:.6g}, {p.delta:.3g})-DP for adding or removing one training {unit}") + (
@@ -211,10 +222,13 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
                                 "rounding of the sum over a batch (measured within it up to 4,096 examples "
                                 "per step, up to 1.0006 C at 32,768; README)",
             "noise_multiplier": p.noise_multiplier,
-            "noise_std": clipping_lib.noise_std(dp.l2_norm_clip, p.noise_multiplier),
+            "noise_std": clipping_lib.noise_std(dp.l2_norm_clip, p.noise_multiplier) * noise.column_norm,
             "normalisation": "the noisy sum of clipped gradients divided by the expected batch size "
                              f"{config.batch_size}, never by the realised batch size",
-            "noise_added": "once per logical batch (accumulation over micro-batches adds none)",
+            "noise_added": "once per logical batch (accumulation over micro-batches adds none)" + (
+                f"; correlated (BandMF, {noise.bands} bands): step t adds row t of C^-1 Z, Z i.i.d. Gaussian of "
+                "std noise_std, from the last bands - 1 steps' noise kept as float32 buffers (see noise_mechanism)"
+                if cyclic else ""),
             "secure_noise": dp.secure_noise,
             "noise_sampler": ("each value the sum of 4 float32 normals scaled by the std, / 2 (Opacus' secure_mode), "
                               "the noisy sum rounded to a grid of ~std / 2^8 (snapping): a mitigation of "
@@ -225,9 +239,15 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
                               "the final parameters; README)"),
         },
         "sampling": {
-            "method": f"Poisson: each {unit} independently with probability q at every step" + (
+            "method": (f"Poisson: each {unit} independently with probability q at every step" if not cyclic else
+                       f"cyclic Poisson: each {unit} assigned once to one of {noise.bands} groups, uniformly and "
+                       f"independently (a secret partition, never written); step t samples the {unit}s of group "
+                       f"t mod {noise.bands}, each independently with probability group_sampling_probability "
+                       f"(q_b = {noise.bands} q, so the expected batch is batch_size)") + (
                 "" if unit == "window" else
                 f"; a sampled {unit} gives min({k}, its windows) of its windows, drawn without replacement"),
+            **({} if not cyclic else {"groups": noise.bands,
+                                      "group_sampling_probability": sampler.group_sampling_probability}),
             "random_bits": "ChaCha20 (a cryptographically secure generator) keyed by a SHA-256 of the secret "
                            "root seed, step and attempt (jaxdp.sampling)",
             "sampling_probability": sampler.sampling_probability,
@@ -255,6 +275,21 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         **({} if init is None else {"init_weights": init}),
         "outside_the_guarantee": outside,
     }
+    if p.records_noise_mechanism:  # config.dp.mechanism "bandmf" / "auto"
+        record = mechanisms_accounting.describe(
+            p.accounting(steps), p.noise_multiplier, p.delta_mechanism, parameters=noise.parameters(config.steps),
+            accountant=config.accountant, value_discretization_interval=p.pld_interval)
+        record["delta_note"] = "delta here is delta_mechanism, the accountant's (the run's delta less the sampling slack)"
+        receipt["noise_mechanism"] = record
+        plan = noise_choice.table_record(noise)
+        if plan is not None:
+            receipt["noise_plan"] = {
+                "chosen": record["mechanism"] + ("" if noise.kind == "dpsgd" else f" b={noise.bands}"),
+                "rule": "the least expected RMS noise of the released prefix sums (jaxdp.training.planner), each "
+                        "candidate calibrated to the run's target epsilon and delta_mechanism at the same expected "
+                        "batch; sigma here at the planner's PLD grid, the run's own is mechanism.noise_multiplier",
+                "rows": plan}
+    return receipt
 
 
 # The headline's pointer to the composition (a reader of the headline alone would miss it)
@@ -307,8 +342,20 @@ def in_plain_words(receipt: dict) -> str:
             f"in the data: ({eps:.3g}, {delta:.2g})-differential privacy, where e^epsilon = {math.exp(eps):.3g} bounds "
             f"how much the model can change the odds of any guess about that {unit} and delta = {delta:.2g} is the "
             "probability that this bound fails" + (f" (with the {len(on_data)} recorded audit(s) on this data)"
-                                                    if on_data else "") +
+                                                    if on_data else "") + _noise_in_words(receipt) +
             "; what it assumes and what lies outside it follow.")
+
+
+def _noise_in_words(receipt: dict) -> str:
+    """in_plain_words' clause on a correlated-noise run ("" for DP-SGD)."""
+    noise = receipt.get("noise_mechanism") or {}
+    if noise.get("mechanism") != "bandmf":
+        return ""
+    bands = (noise.get("parameters") or {}).get("bands")
+    return (f". The noise is correlated across steps (DP-BandMF with {bands} bands: each step's noise partly "
+            "cancels the previous steps' in the running sum of the updates) and the batches come from "
+            f"{bands} secret groups in turn; the guarantee is its amplified accounting, which holds only for "
+            "that sampling")
 
 
 # What must match between an audit and the run it is recorded into: the implementation it tested.
@@ -373,13 +420,18 @@ def audit_on_run_data(workdir, data: str | None, *, seed_pinned: bool) -> bool |
 
 def check_same_mechanism(receipt: dict, mechanism: dict) -> None:
     """Raises ValueError naming what differs when an audit's `mechanism` (clipping, clip_fn, secure_noise,
-    accountant: `jaxdp.auditing.runs`) is not the run's `receipt`'s; the CLI checks it before the audit runs."""
+    accountant: `jaxdp.auditing.runs`; the noise mechanism, DP-SGD unless it names another) is not the run's
+    `receipt`'s; the CLI checks it before the audit runs."""
     run_mech = dict(receipt.get("mechanism") or {})
     # Receipts written before the field name the secure sampler in their text.
     run_mech.setdefault("secure_noise", "sum of 4" in str(run_mech.get("noise_sampler", "")))
     run_mech["accountant"] = receipt.get("accountant")
     differ = {k: (mechanism[k], run_mech.get(k)) for k in _SAME_IMPLEMENTATION + ("accountant",)
               if mechanism[k] != run_mech.get(k)}
+    # The one-run audit runs DP-SGD's noise: it does not test a correlated-noise run's mechanism.
+    run_noise = (receipt.get("noise_mechanism") or {}).get("mechanism", "dpsgd")
+    if mechanism.get("noise_mechanism", "dpsgd") != run_noise:
+        differ["noise_mechanism"] = (mechanism.get("noise_mechanism", "dpsgd"), run_noise)
     if differ:
         raise ValueError("the audit runs another mechanism than this run: " + ", ".join(
             f"{k} {ours!r} (run: {theirs!r})" for k, (ours, theirs) in differ.items()))
