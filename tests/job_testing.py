@@ -95,3 +95,16 @@ def assert_first_metrics_equal(workdir, reference_workdir, *, num_rows):
         for key in g:
             if g[key] is not None:
                 assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (g["step"], key)
+
+
+def assert_only_checkpoints_hold(workdir, needles: list[bytes], public_names: set[str], found_in_checkpoints: bytes):
+    """No file a user would share (all but checkpoints/) holds any of `needles`; the public files include
+    `public_names`; and the search can fail: `found_in_checkpoints` is found in a checkpoint file."""
+    workdir = pathlib.Path(workdir)
+    files = [f for f in workdir.rglob("*") if f.is_file()]
+    public = [f for f in files if f.relative_to(workdir).parts[0] != "checkpoints"]
+    assert {f.name for f in public} >= public_names
+    for f in public:
+        data = f.read_bytes()
+        assert not [n for n in needles if n in data], f
+    assert any(found_in_checkpoints in f.read_bytes() for f in files if f not in public)  # the search works

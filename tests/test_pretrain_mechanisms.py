@@ -18,6 +18,7 @@ from flax import nnx
 from job_testing import (
     TINY,
     assert_first_metrics_equal,
+    assert_only_checkpoints_hold,
     cli_args,
     params_of,
     run_cli,
@@ -121,13 +122,8 @@ def test_bandmf_receipt_states_the_mechanism_and_holds_no_secret(bandmf_run):
         groups.tobytes(), groups.astype(np.int32).tobytes(), groups.astype(np.uint8).tobytes(),
         json.dumps(groups.tolist()).encode(), ", ".join(map(str, groups[:64])).encode(),
         "".join(map(str, groups[:64])).encode()]
-    files = [f for f in workdir.rglob("*") if f.is_file()]
-    public = [f for f in files if f.relative_to(workdir).parts[0] != "checkpoints"]
-    assert {f.name for f in public} >= {"privacy.json", "config.json", "metrics.jsonl", "summary.json"}
-    for f in public:
-        data = f.read_bytes()
-        assert not [n for n in needles if n in data], f
-    assert any(str(SECRET_SEED).encode() in f.read_bytes() for f in files if f not in public)  # the search works
+    assert_only_checkpoints_hold(workdir, needles, {"privacy.json", "config.json", "metrics.jsonl", "summary.json"},
+                                 str(SECRET_SEED).encode())
 
 
 def test_bandmf_resume_equals_uninterrupted_and_refuses_another_mechanism(bandmf_run, corpus, tmp_path):
