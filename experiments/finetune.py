@@ -62,9 +62,10 @@ def main(argv):
     del argv
     from jaxdp import training  # after flag parsing: a --help stays fast
     from jaxdp.data import windows as data
-    from jaxdp.training import finetune_job
+    from jaxdp.training import compilation_cache, finetune_job
     config = _CONFIG.value
     try:
+        compilation_cache.enable(config)  # before the first compile
         prepared = finetune_job.prepare(config, progress=data.stderr_progress,
                                         notice=lambda message: print(f"note: {message}", file=sys.stderr))
     except training.ConfigError as e:

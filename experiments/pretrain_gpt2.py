@@ -60,6 +60,7 @@ def main(argv):
     from jaxdp import training  # after flag parsing: a --help stays fast
     from jaxdp.data import windows as data
     from jaxdp.sharding.processes import Disagreement
+    from jaxdp.training import compilation_cache
     config = _CONFIG.value
     training.maybe_initialize_distributed()  # multi-host: JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
     reports = training.hosts.writes_run_dir()  # several hosts: process 0 reports and writes the run
@@ -68,6 +69,7 @@ def main(argv):
               "compiles the step several times and a GPT-2-small step takes minutes. The CPU configs are "
               "experiments/configs/default.py and llama_tiny.py", file=sys.stderr, flush=True)
     try:
+        compilation_cache.enable(config, verbose=reports)  # before the first compile
         prepared = training.prepare(config, progress=data.stderr_progress if reports else None)
     except (training.ConfigError, Disagreement) as e:  # Disagreement: hosts that prepared different runs
         print(f"error: {e}", file=sys.stderr)

@@ -34,6 +34,8 @@ def get_config() -> config_dict.ConfigDict:
     c.dtype = "float32"                  # compute dtype: "float32" | "bfloat16" (params stay float32)
     c.remat = "none"                     # per-block activation checkpointing (DP-safe): "none" | "dots" | "full"
     c.accountant = "pld"                 # privacy accountant: "pld" (tighter, default) | "rdp"
+    c.compilation_cache_dir = config_dict.placeholder(str)  # compiled programs, reused by a resume; None:
+                                         # $JAX_COMPILATION_CACHE_DIR or ~/.cache/jaxdp/xla; "": off
 
     c.model = config_dict.ConfigDict()
     c.model.family = "gpt2"              # "gpt2" | "llama" (fields: experiments/configs/llama_tiny.py)

@@ -13,6 +13,7 @@ anything is read or written (`jaxdp.training.preparation.prepare` calls
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 
 import jax
@@ -164,8 +165,19 @@ def _validate_mechanism(config) -> None:
              f"config.dp.noise_multiplier None (got {dp.noise_multiplier!r}), or name the mechanism")
 
 
+def check_compilation_cache_dir(value) -> None:
+    """config.compilation_cache_dir: None (the default directory), "" (off) or a directory's path
+    (`jaxdp.training.compilation_cache`)."""
+    _require(value is None or isinstance(value, str),
+             f"config.compilation_cache_dir must be a directory's path, \"\" (off) or None, got {value!r}")
+    path = os.path.expanduser(value or "")
+    _require(not value or not os.path.exists(path) or os.path.isdir(path),
+             f"config.compilation_cache_dir {value} exists and is not a directory")
+
+
 def validate_config(config) -> None:
     """Range checks of every numeric / enum field; raises ConfigError naming the first bad one."""
+    check_compilation_cache_dir(config.get("compilation_cache_dir"))
     for name in ("steps", "checkpoint_every", "log_every", "eval_every", "eval_windows",
                  "eval_batch_size", "batch_size", "accumulation_steps", "seq_len"):
         _positive_int(config, name)

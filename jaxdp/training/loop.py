@@ -37,6 +37,7 @@ from jaxdp.noise import seeds
 from jaxdp.sampling import poisson as sampling
 from jaxdp.sharding import processes
 from jaxdp.training import hosts, noise_choice
+from jaxdp.training.compilation_cache import CompileTicker
 from jaxdp.training.config import build_model, runs_sharded_step
 from jaxdp.training.generation import write_samples
 from jaxdp.training.preparation import Prepared, mechanism, prepare
@@ -342,7 +343,7 @@ def _logical_step(run: _Run, step: int, step_fn):
     count = int(mask.sum())  # windows
     mb = p.sampler.max_batch_size // k * k_unit  # windows per micro-batch: whole units
     first = clock.t_first is None
-    compiling = Ticker(f"compiling and running the first {'DP' if dp else 'non-DP'} step (micro-batch {mb} "
+    compiling = CompileTicker(f"compiling and running the first {'DP' if dp else 'non-DP'} step (micro-batch {mb} "
                        f"windows, {k} per step)", run.verbose) if first else contextlib.nullcontext()
     with compiling:
         micro_losses = []  # device scalars: no host sync per micro-batch

@@ -158,6 +158,7 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     validate_config(config)
     workdir = pathlib.Path(config.workdir)
     cfg_json = _without_default_mechanism(json.loads(config.to_json_best_effort(sort_keys=True)))
+    cfg_json.pop("compilation_cache_dir", None)  # where this machine keeps compiled programs: not the run's
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"config.workdir {workdir} exists and is not a directory")
     try:
