@@ -13,8 +13,7 @@ Median time per call after warm-up, achieved TFLOP/s and time as a ratio to
 the non-DP GEMM (first table).
 
 Where the time goes (second table): each method's FLOPs and compulsory HBM
-bytes (`_counts`: `norm_costs.pair_cost` for the XLA norm paths, the counts of the
-`jaxdp/pallas` module docstrings for the kernels), arithmetic intensity, the
+bytes (`jaxdp.analysis.kernels.counts`), arithmetic intensity, the
 roofline floor max(FLOPs / R, bytes / W) and the fraction of it achieved.
 R and W are measured in this process: R the best TFLOP/s of a plain square
 matmul in the benchmark dtype, W the best bytes/s of a large copy (x * 2) or
@@ -24,12 +23,11 @@ sum. Both tables are printed as markdown and written to the JSON.
 from __future__ import annotations
 
 import datetime
-import math
-import time
 
 from absl import app, flags
 
 from experiments._results import write_results
+from jaxdp.analysis import kernels
 
 MODELS = flags.DEFINE_list("models", ["gpt2-small", "gpt2-medium", "gpt2-large", "llama-1b"], "shape sets")
 SEQ_LENS = flags.DEFINE_list("seq_lens", ["512", "1024", "2048", "4096"], "T values")
@@ -53,128 +51,6 @@ SHAPES = {
 }
 # Ceiling probes: square matmul sizes n (2 n^3 FLOPs) and the element count of the copy / sum.
 CEILING_PROBES = {"gpu": ((4096, 8192), 1 << 28), "smoke": ((256, 512), 1 << 22)}
-NORM_CHUNK = 8  # examples per chunk of the XLA norm paths
-
-
-def _methods():
-    """name -> fn(x, g, c)."""
-    import jax.numpy as jnp
-
-    from jaxdp import pallas as jp
-    from jaxdp.clipping import norms
-
-    fn = lambda sq: jnp.minimum(1.0, 1.0 / jnp.sqrt(sq))
-    inst = lambda x, g: norms._per_example(lambda a, b: norms._linear_instantiate(a, b, a, b), (x, g), NORM_CHUNK)
-    gh = lambda x, g: norms._per_example(lambda a, b: norms._linear_ghost(a, b, a, b), (x, g), NORM_CHUNK)
-    return {
-        "nondp_wgrad": lambda x, g, c: jnp.einsum("btp,btd->pd", x, g, preferred_element_type=jnp.float32),
-        "xla_inst_norms": lambda x, g, c: inst(x, g),
-        "xla_ghost_norms": lambda x, g, c: gh(x, g),
-        "xla_clipped_sum": jp.linear_clipped_sum_reference,
-        "pallas_sq_norms": lambda x, g, c: jp.linear_sq_norms(x, g),
-        "pallas_ghost_norms": lambda x, g, c: jp.linear_ghost_sq_norms(x, g),
-        "pallas_clipped_sum": lambda x, g, c: jp.linear_clipped_sum(x, g, c),
-        "pallas_single_pass": lambda x, g, c: jp.linear_fused_clipped_sum(x, g, fn),
-    }
-
-
-def _counts(B, T, P, D, itemsize):
-    """name -> (FLOPs, compulsory HBM bytes) of each method, at the defaults `_methods` calls.
-
-    Bytes: inputs read once, outputs written once, HBM scratch written and read
-    once (float32); tile re-reads of x and g (which L2 mostly absorbs) are not
-    counted, so these are lower bounds.
-    """
-    from jaxdp.clipping.norm_costs import LayerShape, pair_cost
-    from jaxdp.pallas import _common, ghost_norms, linear_norms, single_pass
-
-    io = B * T * (P + D) * itemsize  # x and g read once
-    out = P * D * 4  # a float32 (P, D) sum
-    gemm = 2 * B * T * P * D
-    shape = LayerShape(B, T, P, D, itemsize)
-    inst = pair_cost("linear", "instantiate", shape, chunk_size=NORM_CHUNK)
-    ghost = pair_cost("linear", "ghost", shape, chunk_size=NORM_CHUNK)
-    n_p, n_d = (math.ceil(n / _common.block(n, blk)) for n, blk in ((P, linear_norms.BLOCK_P),
-                                                                    (D, linear_norms.BLOCK_D)))
-    bt = _common.block(T, ghost_norms.BLOCK_T)
-    chunks = math.ceil(B / single_pass.DEFAULT_CHUNK_SIZE)
-    return {
-        "nondp_wgrad": (gemm, io + out),
-        "xla_inst_norms": (inst.flops, inst.bytes_moved),
-        "xla_ghost_norms": (ghost.flops, ghost.bytes_moved),
-        "xla_clipped_sum": (gemm + B * T * D, io + out),
-        "pallas_sq_norms": (inst.flops, io + B * n_p * n_d * 4),  # = inst. FLOPs, no G in HBM
-        "pallas_ghost_norms": (B * T * (T + bt) * (P + D), io + B * math.ceil(T / bt) ** 2 * 4),
-        "pallas_clipped_sum": (gemm + B * T * D, io + out),
-        # float32 scratch written + read once; the accumulator read + written per chunk.
-        "pallas_single_pass": (gemm + 4 * B * P * D, io + 2 * B * P * D * 4 + 2 * chunks * out),
-    }
-
-
-def _in_one_program(f, iters: int):
-    """A jitted fn(*args) running f(*args) `iters` times in one `fori_loop`, so one dispatch times many calls.
-
-    The arguments ride in the loop state through an optimization barrier (XLA cannot hoist f out of the
-    loop as invariant), and each call's result is reduced into a carried scalar (it is not dead code):
-    that reduction reads the output once more (P x D floats for a sum, B for norms).
-    """
-    import jax
-    import jax.numpy as jnp
-
-    def many(*args):
-        def body(_, state):
-            args, acc = state
-            out = f(*args)
-            acc = acc + sum(jnp.sum(o, dtype=jnp.float32) for o in jax.tree.leaves(out))
-            return jax.lax.optimization_barrier(args), acc
-        return jax.lax.fori_loop(0, iters, body, (args, jnp.zeros((), jnp.float32)))[1]
-
-    return jax.jit(many)
-
-
-def _time(f, args, repeats, stat=None, iters: int = 1):
-    """Seconds per call of f: the median (or `stat`) over `repeats` timings of `iters` calls in one program."""
-    import jax
-    import numpy as np
-    run = _in_one_program(f, iters)
-    jax.block_until_ready(run(*args))
-    jax.block_until_ready(run(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        times.append((time.perf_counter() - t0) / iters)
-    return float((stat or np.median)(times))
-
-
-def _ceilings(dtype, probes, repeats, iters):
-    """Measured R (FLOP/s, best square matmul in `dtype`) and W (bytes/s, best of copy and sum)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    sizes, n_elems = probes
-    key = jax.random.key(1)
-    matmul = {}
-    for n in sizes:
-        a = jax.random.normal(key, (n, n), jnp.float32).astype(dtype)
-        matmul[str(n)] = 2 * n ** 3 / _time(jnp.matmul, (a, a), repeats, np.min, iters)
-        del a
-    v = jax.random.normal(key, (n_elems,), jnp.float32).astype(dtype)
-    nbytes = n_elems * v.dtype.itemsize
-    copy = 2 * nbytes / _time(lambda v: v * 2, (v,), repeats, np.min, iters)
-    total = nbytes / _time(lambda v: jnp.sum(v, dtype=jnp.float32), (v,), repeats, np.min, iters)
-    return dict(R=max(matmul.values()), W=max(copy, total), matmul_flops_per_s=matmul,
-                copy_bytes_per_s=copy, sum_bytes_per_s=total, copy_elements=n_elems, dtype=str(dtype))
-
-
-def _roofline(row, R, W):
-    """Intensity, floor max(F / R, bytes / W), the resource that sets it, and floor / measured time."""
-    t_flops, t_bytes = row["flops"] / R, row["bytes"] / W
-    floor = max(t_flops, t_bytes)
-    achieved = floor / row["seconds"] if row["status"] == "ok" else None
-    return dict(intensity=row["flops"] / row["bytes"], floor_s=floor,
-                bound="compute" if t_flops >= t_bytes else "memory", of_floor=achieved)
 
 
 def _print_where_time_goes(rows, ceil, device):
@@ -209,8 +85,8 @@ def main(argv):
     cpu_note = " [CPU numbers: kernels interpreted, not a GPU measurement]" if backend == "cpu" else ""
     device = f"{dev.device_kind} ({backend}){cpu_note}"
     print(f"device: {device}, jax {jax.__version__}, {datetime.date.today()}, {dtype}\n")
-    ceil = _ceilings(dtype, CEILING_PROBES["smoke" if SMOKE.value else "gpu"], max(repeats, 3), iters)
-    methods, itemsize = _methods(), jnp.dtype(dtype).itemsize
+    ceil = kernels.ceilings(dtype, CEILING_PROBES["smoke" if SMOKE.value else "gpu"], max(repeats, 3), iters)
+    methods, itemsize = kernels.methods(), jnp.dtype(dtype).itemsize
     print("| model | layer | P x D | T | B | method | ms | TFLOP/s | vs non-DP |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
@@ -223,15 +99,11 @@ def main(argv):
                     g = jax.random.normal(kg, (B, T, D), jnp.float32).astype(dtype)
                     c = jnp.linspace(0.2, 1.0, B, dtype=jnp.float32)
                     base = None
-                    for name, (flops, nbytes) in _counts(B, T, P, D, itemsize).items():
-                        row = dict(model=model, layer=layer, P=P, D=D, T=T, B=B, method=name, flops=flops,
-                                   bytes=nbytes)
-                        try:
-                            s = _time(methods[name], (x, g, c), repeats, iters=iters)
-                            row.update(status="ok", seconds=s, tflops=flops / s / 1e12)
-                        except Exception as e:  # noqa: BLE001 - an OOM or a lowering failure is a result
-                            row.update(status=type(e).__name__, error=str(e).splitlines()[0][:200])
-                        row.update(_roofline(row, ceil["R"], ceil["W"]))
+                    for name, counted in kernels.counts(B, T, P, D, itemsize).items():
+                        row = dict(model=model, layer=layer, P=P, D=D, T=T, B=B,
+                                   **kernels.measured_row(name, methods[name], (x, g, c), counted,
+                                                          repeats=repeats, iters=iters))
+                        row.update(kernels.roofline(row, ceil["R"], ceil["W"]))
                         base = row if name == "nondp_wgrad" else base
                         rows.append(row)
                         if row["status"] == "ok":

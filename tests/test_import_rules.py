@@ -35,7 +35,8 @@ MAY_IMPORT = {
     "noise": {"core", "pallas"},
     "sampling": {"noise"},
     "clipping": {"core", "noise", "pallas"},
-    "analysis": {"clipping", "core"},
+    # `analysis` -> `models`, `noise`, `pallas` (lazy): `throughput` builds DP steps, `kernels` times kernels.
+    "analysis": {"clipping", "core", "models", "noise", "pallas"},
     "finetune": {"core", "models", "clipping", "noise"},
     "sharding": {"core", "models", "clipping", "noise", "pallas", "analysis"},
     "auditing": {"accounting", "clipping", "core", "noise", "sampling", "training"},
