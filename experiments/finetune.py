@@ -65,12 +65,13 @@ def main(argv):
     from jaxdp.training import compilation_cache, finetune_job
     config = _CONFIG.value
     try:
-        compilation_cache.enable(config)  # before the first compile
+        cache = compilation_cache.enable(config)  # before the first compile
         prepared = finetune_job.prepare(config, progress=data.stderr_progress,
                                         notice=lambda message: print(f"note: {message}", file=sys.stderr))
     except training.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    compilation_cache.announce(cache)  # after the checks: a bad input is one error line
     summary = training.train(prepared.config, prepared=prepared)
     accuracy = finetune_job.add_accuracy(prepared)
     if accuracy is not None:

@@ -69,11 +69,12 @@ def main(argv):
               "compiles the step several times and a GPT-2-small step takes minutes. The CPU configs are "
               "experiments/configs/default.py and llama_tiny.py", file=sys.stderr, flush=True)
     try:
-        compilation_cache.enable(config, verbose=reports)  # before the first compile
+        cache = compilation_cache.enable(config)  # before the first compile
         prepared = training.prepare(config, progress=data.stderr_progress if reports else None)
     except (training.ConfigError, Disagreement) as e:  # Disagreement: hosts that prepared different runs
         print(f"error: {e}", file=sys.stderr)
         return 2
+    compilation_cache.announce(cache, verbose=reports)  # after the checks: a bad input is one error line
     summary = training.train(config, prepared=prepared)
     if reports:
         _print_summary(summary, config.workdir)

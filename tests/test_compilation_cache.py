@@ -88,7 +88,7 @@ def cache_in(directory):
              "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
     before = {name: getattr(jax.config, name) for name in names}
     try:
-        yield compilation_cache.enable({"compilation_cache_dir": str(directory)}, verbose=False)
+        yield compilation_cache.enable({"compilation_cache_dir": str(directory)})
     finally:
         for name, value in before.items():
             jax.config.update(name, value)
@@ -153,7 +153,7 @@ def test_a_bad_cache_dir_is_one_config_error(tmp_path, value, needle):
     (tmp_path / "file").write_text("")
     value = str(tmp_path / "file") if value == "FILE" else value
     with pytest.raises(training.ConfigError, match=needle):
-        compilation_cache.enable({"compilation_cache_dir": value}, verbose=False)
+        compilation_cache.enable({"compilation_cache_dir": value})
 
 
 def test_default_directory_is_under_the_user_cache(monkeypatch, tmp_path):

@@ -49,18 +49,17 @@ def default_directory() -> pathlib.Path:
     return pathlib.Path(base) / "jaxdp" / "xla"
 
 
-def enable(config, *, verbose: bool = True) -> pathlib.Path | None:
+def enable(config) -> pathlib.Path | None:
     """Turns JAX's persistent compilation cache on in `config.compilation_cache_dir` (module docstring), or
-    off for `""`, and prints where it is once; returns the directory, None when off. Call it before the
-    process's first compile (a later call still applies to the compiles after it). ConfigError for a value
-    that is not a path."""
+    off for `""`; returns the directory, None when off. Silent: `announce` says where it is, after the
+    config has passed its checks (a bad input stays one error line). Call it before the process's first
+    compile (a later call still applies to the compiles after it). ConfigError for a value that is not a
+    path."""
     value = config.get("compilation_cache_dir")
     check_compilation_cache_dir(value)
     if value == "":
         jax.config.update("jax_enable_compilation_cache", False)
         _reset()
-        log("compilation cache: off (config.compilation_cache_dir is empty): every process compiles its programs",
-            verbose)
         return None
     directory = pathlib.Path(value or jax.config.jax_compilation_cache_dir or default_directory()).expanduser()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -69,12 +68,20 @@ def enable(config, *, verbose: bool = True) -> pathlib.Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", MIN_ENTRY_SIZE_BYTES)
     _reset()
+    return directory
+
+
+def announce(directory: pathlib.Path | None, verbose: bool = True) -> None:
+    """Prints where the cache is (or that it is off) once, and warns when other users can write to it."""
+    if directory is None:
+        log("compilation cache: off (config.compilation_cache_dir is empty): every process compiles its programs",
+            verbose)
+        return
     log(f"compilation cache: {directory} (compiled programs, no data; safe to delete; "
         "--config.compilation_cache_dir='' turns it off)", verbose)
     if directory.stat().st_mode & 0o022:
         log(f"warning: the compilation cache {directory} is writable by other users: they can make this job run "
             "code they wrote there", verbose)
-    return directory
 
 
 def _reset() -> None:
