@@ -19,12 +19,12 @@ import math
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-import numpy as np
 
 from jaxdp._keywords import old_keywords
 from jaxdp.clipping import norm_costs
 from jaxdp.clipping import norms as norms_lib
 from jaxdp.clipping import rules as clipping_lib
+from jaxdp.noise import draws as noise_lib
 from jaxdp.noise.mechanisms import BandMF, DPSGD
 
 
@@ -127,9 +127,7 @@ class DPSpec:
         check_positive("noise_multiplier", self.noise_multiplier, allow_zero=True)
         check_positive("expected_batch_size", self.expected_batch_size)
         check_clip_spec(self.clip)
-        if not isinstance(self.secure_noise, (bool, np.bool_)):
-            raise TypeError(f"secure_noise must be True or False, got {self.secure_noise!r}")
-        object.__setattr__(self, "secure_noise", bool(self.secure_noise))
+        object.__setattr__(self, "secure_noise", noise_lib.check_secure(self.secure_noise, "DPSpec"))
         if not isinstance(self.mechanism, (DPSGD, BandMF)):
             raise TypeError(f"mechanism must be jaxdp.noise.mechanisms.DPSGD() or BandMF(coefs), got "
                             f"{self.mechanism!r}; BLT: a GaussianPrivatizer with "
@@ -140,8 +138,7 @@ class DPSpec:
     @property
     def noise_std(self) -> float:
         """The std of the draws: sigma times the clip's sensitivity C' times the strategy's column norm."""
-        column_norm = math.sqrt(sum(c * c for c in self.mechanism.coefs)) if isinstance(self.mechanism, BandMF) else 1.0
-        return clipping_lib.noise_std(self.l2_norm_clip, self.noise_multiplier) * column_norm
+        return clipping_lib.noise_std(self.l2_norm_clip, self.noise_multiplier) * self.mechanism.column_norm
 
     def privatizer(self):
         """The `jaxdp.noise.privatizer.GaussianPrivatizer` of this release."""

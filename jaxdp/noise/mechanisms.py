@@ -72,6 +72,7 @@ class DPSGD:
     """Independent noise, C = I: x_t = z_t (in float32). No buffers: `init_buffers` is a (0, *shape) array."""
 
     num_buffers: ClassVar[int] = 0
+    column_norm: ClassVar[float] = 1.0  # C = I
 
     def init_buffers(self, leaf: Any) -> jax.Array:
         return _zeros(0, leaf)
@@ -102,6 +103,11 @@ class BandMF:
     @property
     def bands(self) -> int:
         return len(self.coefs)
+
+    @property
+    def column_norm(self) -> float:
+        """C's max column norm, ||coefs||: the strategy sensitivity of one participation."""
+        return math.sqrt(sum(c * c for c in self.coefs))
 
     @property
     def num_buffers(self) -> int:

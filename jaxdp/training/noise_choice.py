@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 
 import numpy as np
 
@@ -63,7 +62,7 @@ class NoiseChoice:
     @property
     def column_norm(self) -> float:
         """C's max column norm, the strategy sensitivity of one participation (1 for `strategies.bandmf`)."""
-        return 1.0 if self.kind == "dpsgd" else math.sqrt(sum(c * c for c in self.coefs))
+        return self.mechanism.column_norm
 
     @property
     def coefs_sha256(self) -> str:
