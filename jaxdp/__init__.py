@@ -57,8 +57,9 @@ _PUBLIC = {
 
 _moved.install()
 # old top-level module names as attributes (`jaxdp.calibration.calibrate_noise_multiplier`), one release
-_OLD = {old.removeprefix("jaxdp."): new for old, new in _moved.MOVED.items() if old.count(".") == 1}
+# (through the old name's import, so that attribute access warns as `import jaxdp.norms` does)
+_OLD = {old.removeprefix("jaxdp."): old for old in _moved.MOVED if old.count(".") == 1}
 
-__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, {name: new for name, new in _OLD.items()})
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, _OLD)
 
 __all__ = sorted(_PUBLIC)

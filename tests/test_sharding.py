@@ -23,8 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdp
 from jaxdp import sharding
-from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.clipping.settings import ClipSpec, DPSpec, NormPlan
+from jaxdp.core import sequence_shards
+from jaxdp.models.llama import Llama, LlamaConfig
 
 RTOL = 1e-5
 C, EBS, LR = 0.05, 6.0, 1e-2
@@ -41,7 +42,7 @@ def cp_loss(model, batch, seq_axis=None):
     """Per-example mean NLL over the GLOBAL sequence; this shard's share on a sequence shard."""
     logits = model(batch["inputs"], seq_axis=seq_axis)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.where(batch["mask"], sharding.context.sequence_mean(nll, seq_axis), 0.0)
+    return jnp.where(batch["mask"], sequence_shards.sequence_mean(nll, seq_axis), 0.0)
 
 
 @functools.cache

@@ -25,9 +25,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp import sharding
 from jaxdp.analysis import collectives
+from jaxdp.clipping.settings import DPSpec
+from jaxdp.core import sequence_shards
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
-from jaxdp.clipping.settings import DPSpec
 
 RTOL = 1e-5
 C, EBS, LR = 0.05, 7.0, 1e-2
@@ -44,7 +45,7 @@ def cp_loss(model, batch, seq_axis=None):
     """Per-example mean NLL over the GLOBAL sequence; this shard's share on a sequence shard."""
     logits = model(batch["inputs"], seq_axis=seq_axis)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.where(batch["mask"], sharding.context.sequence_mean(nll, seq_axis), 0.0)
+    return jnp.where(batch["mask"], sequence_shards.sequence_mean(nll, seq_axis), 0.0)
 
 
 def make_batch(batch_size, seq_len, seed=3):

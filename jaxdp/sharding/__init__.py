@@ -27,7 +27,7 @@ _PUBLIC = {
 }
 
 
-__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, {"collectives": "jaxdp.analysis.collectives",
-                                                         "context": "jaxdp.core.sequence_shards"})
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, {"collectives": "jaxdp.sharding.collectives",
+                                                         "context": "jaxdp.sharding.context"})  # old names: they warn
 
-__all__ = sorted([*_PUBLIC, "collectives", "context"])  # moved, kept one release
+__all__ = sorted(_PUBLIC)  # the moved names (`collectives`, `context`) answer, with a warning, one release
