@@ -9,7 +9,7 @@ parameters:
   Embed       embedding: EmbedTerm(ids, g); `attend` (tied head):
               LinearTerm(dlogits, h), so dE_b = dlogits_b^T h_b
   LayerNorm   scale: sum_t xhat * g               bias: sum_t g
-  RMSNorm     scale: sum_t xhat * g
+  RMSNorm     scale: sum_t xhat * g         (also with Gemma's offset: xhat * (1 + scale))
 
   SoftPrompt  embedding: g[:, :n] (the prompt's output gradient itself)
   Gate        alpha: mu (1 - mu) / temperature * sum_t <g, a - b>
@@ -199,20 +199,26 @@ class LayerNorm(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis (no bias), statistics in float32."""
+    """RMSNorm over the last axis (no bias), statistics in float32: `xhat * (scale_offset + scale)`.
+
+    `scale_offset=1.0` is Gemma's norm (`xhat * (1 + w)` in float32, then cast; w starts at 0). The
+    per-example gradient of `scale` is `sum_t xhat * g` for any offset (d/dw of xhat (c + w) is xhat).
+    """
 
     def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype: Dtype | None = None,
-                 param_dtype: Dtype = jnp.float32, rngs: nnx.Rngs | None = None):
+                 param_dtype: Dtype = jnp.float32, scale_offset: float = 0.0, rngs: nnx.Rngs | None = None):
         del rngs
         self.epsilon = epsilon
         self.dtype = dtype
-        self.scale = nnx.Param(jnp.ones((num_features,), param_dtype))
+        self.scale_offset = float(scale_offset)
+        self.scale = nnx.Param(jnp.full((num_features,), 1.0 - self.scale_offset, param_dtype))
         self.dp_path = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(_accum_dtype(x.dtype))
         xhat = xf * jax.lax.rsqrt(jnp.square(xf).mean(axis=-1, keepdims=True) + self.epsilon)
-        y = (xhat * self.scale[...]).astype(self.dtype or x.dtype)
+        scale = self.scale[...] if self.scale_offset == 0.0 else self.scale_offset + self.scale[...]
+        y = (xhat * scale).astype(self.dtype or x.dtype)
         return _tap_norm(self, y, xhat, is_trainable(self.scale), False)
 
 
