@@ -53,6 +53,7 @@ import jax
 from flax import nnx
 
 from jaxdp.core import nn
+from jaxdp.finetune import targets as family_targets
 from jaxdp.finetune.settings import Adapters, LoRA, Prompt, Reversible, Side, accepts_flat_keywords, check_options
 from jaxdp.models.gpt2 import GPT2
 from jaxdp.models.ladder_side import LadderSideGPT2
@@ -61,10 +62,11 @@ from jaxdp.models.reversible import ReversibleGPT2
 
 METHODS = ("full", "lora", "adapter", "bitfit", "prompt", "side", "reversible")
 GPT2_METHODS = ("prompt", "side", "reversible")  # built on GPT-2's modules (soft-prompt slot, blocks, wte)
-# Per model family: LoRA's choice (W_q and W_v; inside GPT-2's fused c_attn) and Houlsby's (after
-# attention and after the MLP). `prepare`'s targets default to the model's row.
-DEFAULT_LORA_TARGETS = {GPT2: ("attn/c_attn",), Llama: ("attn/q_proj", "attn/v_proj")}
-DEFAULT_ADAPTER_TARGETS = {GPT2: ("attn/c_proj", "mlp/c_proj"), Llama: ("attn/o_proj", "mlp/down_proj")}
+# The defaults of GPT-2 and the Llama-style families by model class, kept for readers of these names: the
+# defaults per family (Mistral, Qwen2, Qwen3, and any family registered later) are
+# `jaxdp.finetune.targets.FAMILY_TARGETS`, which `add_lora` / `add_adapters` read.
+DEFAULT_LORA_TARGETS = {GPT2: family_targets.GPT2_STYLE.lora, Llama: family_targets.LLAMA_STYLE.lora}
+DEFAULT_ADAPTER_TARGETS = {GPT2: family_targets.GPT2_STYLE.adapter, Llama: family_targets.LLAMA_STYLE.adapter}
 Path = tuple
 Trainable = Callable[[Path, nnx.Module], bool]
 
@@ -171,25 +173,26 @@ def _matching_linears(model: nnx.Module, targets, argument: str) -> list[tuple[P
     return found
 
 
-def default_targets(defaults: dict, model: nnx.Module, argument: str) -> tuple[str, ...]:
-    """The row of `DEFAULT_LORA_TARGETS` / `DEFAULT_ADAPTER_TARGETS` for `model`'s family."""
-    for cls, targets in defaults.items():
-        if isinstance(model, cls):
-            return targets
-    raise ValueError(f"{argument} has no default for a {type(model).__name__}: name the projections (path suffixes "
-                     "like 'attn/q_proj')")
+def resolve_targets(model: nnx.Module, method: str, targets) -> tuple[str, ...]:
+    """`targets` checked against `model`'s family (`jaxdp.finetune.targets.check_targets`: an unknown name is
+    one line listing the family's names), or the family's default for `method` ("lora" / "adapter") when
+    None."""
+    family = family_targets.family_of(model)
+    if targets is None:
+        return family_targets.default_targets(family, method)
+    return family_targets.check_targets(family, targets)
 
 
 def add_lora(model: nnx.Module, *, rank: int, alpha: float | None = None,
              targets=None, rngs: nnx.Rngs) -> nnx.Module:
-    """Wraps every `jaxdp.core.nn.Linear` whose path ends with one of `targets` (default: the model family's
-    `DEFAULT_LORA_TARGETS`) in a `LoRALinear`, in place. `alpha` defaults to `rank` (scale 1). Freezes
+    """Wraps every `jaxdp.core.nn.Linear` whose path ends with one of `targets` (default: the model family's,
+    `jaxdp.finetune.targets.FAMILY_TARGETS`) in a `LoRALinear`, in place. `alpha` defaults to `rank` (scale 1). Freezes
     nothing (see `prepare`).
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
     alpha = float(rank if alpha is None else alpha)
-    targets = default_targets(DEFAULT_LORA_TARGETS, model, "targets") if targets is None else targets
+    targets = resolve_targets(model, "lora", targets)
     nodes = _nodes(model)
     for path, linear in _matching_linears(model, targets, "targets"):
         _set(nodes[path[:-1]], path[-1], LoRALinear(linear, rank=rank, alpha=alpha, rngs=rngs))
@@ -198,10 +201,10 @@ def add_lora(model: nnx.Module, *, rank: int, alpha: float | None = None,
 
 def add_adapters(model: nnx.Module, *, bottleneck: int, targets=None, rngs: nnx.Rngs) -> nnx.Module:
     """Puts a Houlsby `Adapter` after every `jaxdp.core.nn.Linear` whose path ends with one of `targets`
-    (default: the model family's `DEFAULT_ADAPTER_TARGETS`), in place."""
+    (default: the model family's, `jaxdp.finetune.targets.FAMILY_TARGETS`), in place."""
     if not isinstance(bottleneck, int) or bottleneck < 1:
         raise ValueError(f"bottleneck must be an integer >= 1, got {bottleneck!r}")
-    targets = default_targets(DEFAULT_ADAPTER_TARGETS, model, "targets") if targets is None else targets
+    targets = resolve_targets(model, "adapter", targets)
     nodes = _nodes(model)
     for path, linear in _matching_linears(model, targets, "targets"):
         adapter = Adapter(linear.out_features, bottleneck, dtype=linear.dtype, rngs=rngs)

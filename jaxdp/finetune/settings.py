@@ -41,7 +41,7 @@ class LoRA:
       rank: r (>= 1).
       alpha: the scale's numerator; None: `rank` (scale 1).
       targets: the projections wrapped (path suffixes like "attn/c_attn"); None: the model family's
-        `jaxdp.finetune.methods.DEFAULT_LORA_TARGETS`.
+        `jaxdp.finetune.targets.FAMILY_TARGETS`.
     """
     rank: int = 8
     alpha: float | None = None
@@ -58,7 +58,7 @@ class Adapters:
 
     Attributes:
       bottleneck: the adapters' width m (>= 1).
-      targets: the projections they follow; None: `jaxdp.finetune.methods.DEFAULT_ADAPTER_TARGETS`.
+      targets: the projections they follow; None: the family's, `jaxdp.finetune.targets.FAMILY_TARGETS`.
       train_layer_norms: whether the layer norms train with them.
     """
     bottleneck: int = 64
