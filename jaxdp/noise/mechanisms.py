@@ -21,11 +21,12 @@ inverse, so x_t is computed from z_t and a state of a few buffers of the paramet
 
 Contract of every mechanism (a hashable frozen dataclass of Python floats, so it can be a static argument):
 
-  buffers = mechanism.init_buffers(leaf)          # float32 zeros (num_buffers, *leaf.shape)
+  buffers = mechanism.init_buffers(leaf)          # zeros (num_buffers, *leaf.shape), float32 (float64 leaf: float64)
   x, buffers = mechanism.next(z, buffers)         # once per logical batch, per parameter leaf
 
-Step t's x equals row t of C^{-1} Z (tested against a dense C built from the coefficients). The arithmetic
-and x are float32 whatever z's dtype (bf16 training keeps float32 buffers); the recursions are elementwise
+Step t's x equals row t of C^{-1} Z (tested against a dense C built from the coefficients). The arithmetic,
+the buffers and x are float32 for float32 and narrower draws (bf16 training keeps float32 buffers), float64 for
+float64 draws and leaves (JAX's x64 mode, where the exact covariance is tested); the recursions are elementwise
 over the leaf, so a device holding a shard of a leaf and the same shard of its buffers computes its shard
 of x. The buffers are optimizer state: they must be checkpointed and restored with it, and they hold past
 noise, so they are as secret as the noise key. The privacy of the released sequence is not this module's:
@@ -56,20 +57,25 @@ def _float_tuple(name: str, values: Any) -> tuple[float, ...]:
     return out
 
 
+def _wide(dtype: Any) -> Any:
+    """The noise arithmetic's dtype for `dtype`: float32, or float64 for float64 (x64 mode)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _zeros(count: int, leaf: Any) -> jax.Array:
-    return jnp.zeros((count, *jnp.shape(leaf)), jnp.float32)
+    return jnp.zeros((count, *jnp.shape(leaf)), _wide(getattr(leaf, "dtype", jnp.float32)))
 
 
 def _check_buffers(buffers: jax.Array, count: int, z: jax.Array, mechanism: str) -> jax.Array:
     if buffers.shape != (count, *z.shape):
         raise ValueError(f"{mechanism}: buffers of shape {buffers.shape} for noise of shape {z.shape}; "
                          f"expected {(count, *z.shape)} (init_buffers(leaf))")
-    return buffers.astype(jnp.float32)
+    return buffers.astype(z.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class DPSGD:
-    """Independent noise, C = I: x_t = z_t (in float32). No buffers: `init_buffers` is a (0, *shape) array."""
+    """Independent noise, C = I: x_t = z_t (in float32, or float64). No buffers: a (0, *shape) array."""
 
     num_buffers: ClassVar[int] = 0
     column_norm: ClassVar[float] = 1.0  # C = I
@@ -78,7 +84,8 @@ class DPSGD:
         return _zeros(0, leaf)
 
     def next(self, z: jax.Array, buffers: Any) -> tuple[jax.Array, Any]:
-        return jnp.asarray(z).astype(jnp.float32), buffers
+        z = jnp.asarray(z)
+        return z.astype(_wide(z.dtype)), buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,12 +126,13 @@ class BandMF:
     def next(self, z: jax.Array, buffers: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(x_t, buffers): x_t = (z_t - sum_{j>=1} c_j x_{t-j}) / c_0; buffers hold x_{t-1}, x_{t-2}, ...
         (newest first; zeros before the first step)."""
-        z = jnp.asarray(z).astype(jnp.float32)
-        c0 = jnp.float32(self.coefs[0])
+        z = jnp.asarray(z)
+        z = z.astype(_wide(z.dtype))
+        c0 = jnp.asarray(self.coefs[0], z.dtype)
         if self.num_buffers == 0:
             return z / c0, buffers
         buffers = _check_buffers(jnp.asarray(buffers), self.num_buffers, z, "BandMF")
-        past = jnp.tensordot(jnp.asarray(self.coefs[1:], jnp.float32), buffers, axes=(0, 0))
+        past = jnp.tensordot(jnp.asarray(self.coefs[1:], z.dtype), buffers, axes=(0, 0))
         x = (z - past) / c0
         return x, jnp.concatenate([x[None], buffers[:-1]], axis=0)
 
@@ -136,11 +144,16 @@ class BLT:
     Attributes:
       buf_decay: theta_i, each in (0, 1): the geometric decay of buffer i.
       output_scale: w_i, finite, one per buffer.
+      sensitivity: the strategy sensitivity the run's noise is scaled by (finite, > 0): C's min-separation
+        sensitivity for the run's participation pattern (`jaxdp.noise.strategies.sensitivity(C, steps,
+        min_sep, participations)`), or None (a bare strategy). Unlike BandMF's, it depends on the run, so
+        `jaxdp.clipping.settings.DPSpec` takes a BLT only with it set.
     The parameters are those of C (as jax_privacy's `BufferedToeplitz`), not of its inverse.
     """
 
     buf_decay: tuple[float, ...]
     output_scale: tuple[float, ...]
+    sensitivity: float | None = None
 
     def __post_init__(self):
         decay = _float_tuple("BLT.buf_decay", self.buf_decay)
@@ -149,8 +162,12 @@ class BLT:
             raise ValueError(f"BLT.buf_decay must be in (0, 1), got {decay}")
         if len(scale) != len(decay):
             raise ValueError(f"BLT.output_scale has {len(scale)} values for {len(decay)} buf_decay values")
+        if self.sensitivity is not None and not (float(self.sensitivity) > 0 and math.isfinite(self.sensitivity)):
+            raise ValueError(f"BLT.sensitivity must be None or a finite number > 0, got {self.sensitivity!r}")
         object.__setattr__(self, "buf_decay", decay)
         object.__setattr__(self, "output_scale", scale)
+        if self.sensitivity is not None:
+            object.__setattr__(self, "sensitivity", float(self.sensitivity))
 
     @property
     def num_buffers(self) -> int:
@@ -161,10 +178,11 @@ class BLT:
 
     def next(self, z: jax.Array, buffers: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(x_t, buffers): x_t = z_t - sum_i w_i s_i; then s_i <- theta_i s_i + x_t."""
-        z = jnp.asarray(z).astype(jnp.float32)
+        z = jnp.asarray(z)
+        z = z.astype(_wide(z.dtype))
         buffers = _check_buffers(jnp.asarray(buffers), self.num_buffers, z, "BLT")
-        scale = jnp.asarray(self.output_scale, jnp.float32)
-        decay = jnp.asarray(self.buf_decay, jnp.float32).reshape((-1,) + (1,) * z.ndim)
+        scale = jnp.asarray(self.output_scale, z.dtype)
+        decay = jnp.asarray(self.buf_decay, z.dtype).reshape((-1,) + (1,) * z.ndim)
         x = z - jnp.tensordot(scale, buffers, axes=(0, 0))
         return x, decay * buffers + x[None]
 

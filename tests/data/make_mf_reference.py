@@ -5,7 +5,11 @@ Run with jax-privacy==2.0.0 installed (not needed by the tests, which read the J
     python tests/data/make_mf_reference.py
 
 Deterministic functions of fixed inputs (compared to ~1e-9), optimiser outputs (compared by loss, with a
-tolerance) and epsilons (dp_accounting PLD, add/remove one, grid 1e-4).
+tolerance), epsilons (dp_accounting PLD, add/remove one, grid 1e-4) and the noise structure of each mechanism
+(`noise_structure`: jax_privacy's noising matrix C^{-1} for the same coefficients, as the streaming matrix its
+`matrix_factorization_privatizer` runs, materialized at n = 64 in float64; checked here to be lower-triangular
+Toeplitz, so its first column is stored; and its one-participation sensitivity squared, the factor of the
+draws' variance: tests/test_mf_covariance.py).
 """
 
 import json
@@ -26,10 +30,48 @@ def floats(x):
     return [float(v) for v in np.asarray(x).ravel()]
 
 
+STRUCTURE_N = 64
+
+
+def toeplitz_first_column(matrix):
+    """The first column of a lower-triangular Toeplitz `matrix`, after checking that it is one (to 1e-12)."""
+    m = np.asarray(matrix, np.float64)
+    n = m.shape[0]
+    col = m[:, 0]
+    rows, cols = np.indices((n, n))
+    expected = np.where(rows >= cols, col[np.clip(rows - cols, 0, n - 1)], 0.0)
+    assert np.abs(m - expected).max() <= 1e-12 * max(1.0, np.abs(m).max()), "not lower-triangular Toeplitz"
+    return floats(col)
+
+
+def noise_structure():
+    """jax_privacy's noising matrix C^{-1} (first column) and one-participation sensitivity^2 per mechanism."""
+    n = STRUCTURE_N
+    cases = [{"name": "dpsgd", "kind": "dpsgd", "inverse_first_column": floats(np.eye(n)[:, 0]),
+              "sensitivity_squared": 1.0}]
+    coefs = {f"bandmf_b{b}": (np.asarray(toeplitz.optimize_banded_toeplitz(n=n, bands=b)) if b > 1 else np.ones(1))
+             for b in (1, 2, 4, 8)}
+    coefs = {k: c / np.linalg.norm(c) for k, c in coefs.items()}
+    coefs["bandmf_b3_unnormalised"] = np.array([1.0, 0.6, 0.3])  # max column norm != 1
+    for name, c in coefs.items():
+        cj = jnp.asarray(c)
+        noising = toeplitz.inverse_as_streaming_matrix(cj).materialize(n)
+        cases.append({"name": name, "kind": "bandmf", "coef": floats(c), "inverse_first_column":
+                      toeplitz_first_column(noising), "sensitivity_squared": float(
+                          toeplitz.minsep_sensitivity_squared(cj, min_sep=1, max_participations=1, n=n))})
+    for name, decay, scale in (("blt3", [0.99, 0.9, 0.5], [0.1, 0.2, 0.2]), ("blt2", [0.95, 0.6], [0.3, 0.25])):
+        blt = bt.BufferedToeplitz.build(buf_decay=decay, output_scale=scale)
+        noising = blt.inverse_as_streaming_matrix().materialize(n)
+        cases.append({"name": name, "kind": "blt", "buf_decay": decay, "output_scale": scale,
+                      "inverse_first_column": toeplitz_first_column(noising),
+                      "sensitivity_squared": float(bt.sensitivity_squared(blt, n))})
+    return {"n": n, "cases": cases}
+
+
 def main():
     import jax_privacy
     out = {"jax_privacy": jax_privacy.__version__, "jax": jax.__version__, "bandmf_fixed": {}, "blt_fixed": [],
-           "bandmf_optimised": [], "blt_optimised": [], "epsilon": []}
+           "bandmf_optimised": [], "blt_optimised": [], "epsilon": [], "noise_structure": {}}
     coef = np.array([0.7, 0.5, 0.4, 0.3])
     coef = coef / np.linalg.norm(coef)
     out["bandmf_fixed"] = {"coef": floats(coef), "n": {}}
@@ -67,6 +109,7 @@ def main():
             "n": n, "buffers": nbuf, "min_sep": min_sep, "participations": k, "error": error,
             "buf_decay": floats(blt.buf_decay), "output_scale": floats(blt.output_scale),
             "sensitivity_squared": sens2, "loss": (float(pq.max()) if error == "max" else float(pq.mean())) * sens2})
+    out["noise_structure"] = noise_structure()
     pld = lambda: dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, 1e-4)
     for sigma, n, b, q in ((1.0, 100, 1, 0.01), (1.0, 1000, 1, 0.01), (1.0, 100, 4, 0.01), (1.0, 1000, 4, 0.01),
                            (1.0, 100, 4, 0.04), (1.0, 1000, 8, 0.08), (2.0, 1000, 1, 0.01)):
