@@ -37,7 +37,7 @@ MAY_IMPORT = {
     "clipping": {"core", "noise", "pallas"},
     # `analysis` -> `models`, `noise`, `pallas` (lazy): `throughput` builds DP steps, `kernels` times kernels.
     "analysis": {"clipping", "core", "models", "noise", "pallas"},
-    "finetune": {"core", "models", "clipping", "noise"},
+    "finetune": {"analysis", "core", "models", "clipping", "noise", "sharding"},
     "sharding": {"core", "models", "clipping", "noise", "pallas", "analysis"},
     "auditing": {"accounting", "clipping", "core", "noise", "sampling", "training"},
     "training": {"accounting", "analysis", "clipping", "core", "data", "finetune", "models", "noise", "sampling",

@@ -39,7 +39,9 @@ from jaxdp.core import losses, nn
 from jaxdp.core.per_example import per_example_grads
 from jaxdp.finetune import methods as finetune
 from jaxdp.finetune.settings import accepts_flat_keywords, fold_flat
-from jaxdp.models.gpt2 import GPT2, GPT2Config
+from jaxdp.models import registry
+from jaxdp.models.gpt2 import GPT2Config
+from jaxdp.models.llama import LlamaConfig
 from jaxdp.noise.privatizer import GaussianPrivatizer
 
 DP_METHODS = ("bookkeeping", "two_pass")
@@ -88,10 +90,10 @@ def lm_losses(model, batch) -> jax.Array:
 
 
 @accepts_flat_keywords
-def abstract_model(config: GPT2Config, method: str, *, options=None, frozen_dtype=None) -> nnx.Module:
+def abstract_model(config, method: str, *, options=None, frozen_dtype=None) -> nnx.Module:
     """The method's model (`jaxdp.finetune.methods.prepare` with `options`) as shapes only; frozen weights cast
-    to `frozen_dtype`."""
-    model = nnx.eval_shape(lambda: finetune.prepare(GPT2(config, rngs=nnx.Rngs(0)), method,
+    to `frozen_dtype`. `config`: any model config `jaxdp.models.registry` knows (GPT-2, Llama and its families)."""
+    model = nnx.eval_shape(lambda: finetune.prepare(registry.build(config, nnx.Rngs(0)), method,
                                                     rngs=nnx.Rngs(1), options=options))
     if frozen_dtype is not None:
         graphdef, state = nnx.split(model)
@@ -124,8 +126,8 @@ def _accepts_old_step_keywords(fn):
 
 
 @_accepts_old_step_keywords
-def step_memory(config: GPT2Config, method: str, *, step: StepSpec, options=None, frozen_dtype=None, device=None,
-                compiler_options=None) -> StepMemory:
+def step_memory(config: GPT2Config | LlamaConfig, method: str, *, step: StepSpec, options=None, frozen_dtype=None,
+                device=None, compiler_options=None) -> StepMemory:
     """Compiles one training `step` (`StepSpec`) of `method` with `options` (its `jaxdp.finetune.settings`
     value; None: the defaults) on `config` and returns its memory analysis.
 

@@ -1,0 +1,61 @@
+"""The fine-tuning memory plan (`jaxdp.finetune.memory_plan`) on CPU at tiny size.
+
+The plan's largest micro-batch comes from an affine fit of the step's bytes at 1 and 2 examples; here the
+fit is checked against real compiles on either side of it (the predicted batch fits, one more does not),
+and the 8-GPU search is run on the 8 fake CPU devices.
+"""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from jaxdp.finetune import memory, memory_plan
+
+SPEC = memory_plan.PlanSpec(target=None, dtype="float32")
+
+
+def test_largest_batch_arithmetic():
+    assert memory_plan.largest_batch(10.0, 12.0, 80.0) == 36      # 10 + 35 * 2 = 80
+    assert memory_plan.largest_batch(10.0, 12.0, 79.9) == 35
+    assert memory_plan.largest_batch(81.0, 90.0, 80.0) == 0
+    with pytest.raises(ValueError, match="did not grow"):
+        memory_plan.largest_batch(10.0, 10.0, 80.0)
+
+
+def test_unknown_model_is_named():
+    with pytest.raises(ValueError, match="model must be one of"):
+        memory_plan.model_config("llama-70b", 64, SPEC)
+
+
+def test_affine_fit_predicts_the_largest_batch_that_compiles():
+    gb = lambda B: memory_plan.one_gpu_gb("llama-tiny", "lora", memory.StepSpec(B, 32, dp=True), SPEC)
+    gb1, gb2 = gb(1), gb(2)
+    budget = gb1 + 2.5 * (gb2 - gb1)                   # between B = 3 and B = 4 on the fit
+    best = memory_plan.largest_batch(gb1, gb2, budget)
+    assert best == 3
+    assert gb(best) <= budget < gb(best + 1)
+
+
+def test_full_fine_tuning_moves_to_eight_devices_when_one_does_not_fit():
+    spec = memory_plan.PlanSpec(target=None, dtype="float32")
+    one = memory_plan.one_gpu_gb("llama-tiny", "full", memory.StepSpec(1, 32, dp=True), spec)
+    eight = memory_plan.mesh_gb("llama-tiny", memory.StepSpec(1, 32, dp=True), (8, 1), spec)
+    assert eight < one                                   # ZeRO-3: weights and Adam's moments are an eighth each
+    budget = (one + eight) / 2                           # full DP does not fit one device, fits eight
+    rows = memory_plan.plan_rows("llama-tiny", 32, dataclasses.replace(spec, budget_gb=budget), methods=("full",),
+                                 log=lambda line: None)
+    on_one = [r for r in rows if r.mesh == (1, 1) and r.dp]
+    on_eight = [r for r in rows if r.mesh == (8, 1) and r.dp]
+    assert on_one[0].max_batch == 0 and "8-GPU" in on_one[0].note
+    assert on_eight and on_eight[0].max_batch >= 1
+    assert "| llama-tiny | full | 32 | 8 x 1 |" in memory_plan.table(rows, budget)
+
+
+def test_job_refuses_an_unknown_model():
+    out = subprocess.run([sys.executable, "-m", "experiments.finetune_memory_plan", "--models=gpt5", "--target="],
+                         capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == ["error: model must be one of ['llama-3.1-8b', 'llama-tiny', "
+                                               "'qwen2.5-7b'], got 'gpt5'"]
