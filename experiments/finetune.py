@@ -20,6 +20,11 @@ After training, summary.json gets `heldout_accuracy`: " positive" vs
 " negative" on held-out snippets of a sentiment jsonl (`jaxdp.data.tasks`), beside
 the majority-class baseline it must beat. A soft prompt that overflows the
 model's positions shortens config.seq_len (a `note:` line; config.json records it).
+`--config.data.format=instruct` trains on a jsonl of prompt / completion or messages
+records, the loss on the completion (assistant) tokens only (`jaxdp.data.instructions`).
+Every run ends with its tripwires (`jaxdp.training.finetune_checks`): a frozen weight
+that changed, no trainable weight that moved, or a LoRA merge that does not reproduce the
+model is an `error:` line and exit status 1, with the run's outputs kept.
 The logic lives in `jaxdp.training.finetune_job`.
 """
 
@@ -42,6 +47,8 @@ def _print_summary(s: dict, workdir: str, method: str) -> None:
         f"run: {workdir}" + (f"  ({s['stop_reason']})" if s.get("stop_reason") else ""),
         f"  method           {method}   trainable params {s['num_params']:,}",
         f"  steps            {s['steps']}",
+        "  tripwires        passed (frozen weights as loaded, trainable ones moved"
+        + (", LoRA merge exact)" if "lora_merge" in s.get("tripwires", {}) else ")"),
         f"  train loss       {fmt(s['train_loss'])}",
         f"  val loss         {fmt(s['val_loss'])}  (before fine-tuning {fmt(s['initial_val_loss'])})",
         f"  epsilon          {fmt(s['epsilon'], '.4g')}" + (f"  (delta {s['delta']:.3g})" if s["dp"]
@@ -62,7 +69,7 @@ def main(argv):
     del argv
     from jaxdp import training  # after flag parsing: a --help stays fast
     from jaxdp.data import windows as data
-    from jaxdp.training import compilation_cache, finetune_job
+    from jaxdp.training import compilation_cache, finetune_checks, finetune_job
     config = _CONFIG.value
     try:
         cache = compilation_cache.enable(config)  # before the first compile
@@ -76,6 +83,12 @@ def main(argv):
     accuracy = finetune_job.add_accuracy(prepared)
     if accuracy is not None:
         summary["heldout_accuracy"] = accuracy
+    try:  # frozen weights as loaded, trainable ones moved, the LoRA merge exact: else a loud failure
+        summary["tripwires"] = finetune_checks.run_tripwires(prepared)
+    except finetune_checks.TripwireError as e:
+        print(f"error: tripwire failed: {e} (the run's outputs in {config.workdir} are kept; summary.json "
+              "records the failure)", file=sys.stderr)
+        return 1
     _print_summary(summary, config.workdir, config.finetune.method)
     return 0
 

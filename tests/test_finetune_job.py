@@ -326,7 +326,7 @@ def _unchanged(workdir):
     ({"finetune.init": None}, "config.finetune.init is required"),
     ({"data.tokenizer": "gpt2"}, "config.data.tokenizer must be 'init'"),
     ({"finetune.rank": 0}, "config.finetune: rank must be"),
-    ({"finetune.lora_targets": ("attn/nope",)}, "matches no"),
+    ({"finetune.lora_targets": ("attn/nope",)}, "config.finetune.lora_targets: 'attn/nope' names no projection of a gpt2"),
     ({"mesh.data": 2}, "single-device step"),
     ({"finetune.method": "prompt", "finetune.prompt_length": 32}, r"prompt_length \(32\) leaves no position"),
     ({"finetune.method": "prompt", "seq_len": 24, "finetune.prompt_length": 4, "sample.num": 1}, "sample.num"),

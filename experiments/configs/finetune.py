@@ -29,6 +29,9 @@ def get_config() -> config_dict.ConfigDict:
         c.data.tokenizer = "init"            # the init weights' tokenizer: the run's tokenizer/, "gpt2", or the
                                              # HF Llama directory's tokenizer.json (leave it)
         c.data.validation_fraction = 0.1     # snippets held out (val loss and accuracy), split by a hash of the text
+        c.data.format = "text"               # "text": a corpus (a jsonl's 'text'); "instruct": a jsonl of {prompt,
+                                             # completion} or {messages} records, loss on the completion / assistant
+                                             # tokens only (docs/finetuning.md, jaxdp.data.instructions)
         c.privacy.unit = "document"          # one snippet (with its label) is one unit
         c.sample.num = 0                     # samples.txt: continuations of public prompts (0: none)
 

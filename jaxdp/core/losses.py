@@ -10,6 +10,9 @@ so causal attention keeps them out of the real positions.
 `completion_losses(marker)` counts only the targets after the last occurrence
 of a token sequence in the window (the label after a prompt: a completion-only
 loss, as in instruction tuning); a window without the marker has no target.
+`instruction_losses` counts the completion tokens of instruction windows
+(`jaxdp.data.instructions`), which carry their own mask: a context token id i is
+stored as `-2 - i`, read back as an input and never counted as a target.
 
 A frozen head (fine-tuning: every `jaxdp.finetune.methods` method but full) runs over
 chunks of tokens (`token_nll`): each chunk's logits are recomputed in the
@@ -34,6 +37,15 @@ def lm_losses(model: nnx.Module, batch) -> jax.Array:
     """Per-window mean next-token NLL (B,) of {"tokens" (B, T + 1), "mask" (B,)}."""
     tokens_BT1 = batch["tokens"]
     return _mean_nll(model, tokens_BT1, batch["mask"], tokens_BT1[:, 1:] >= 0)
+
+
+def instruction_losses(model: nnx.Module, batch) -> jax.Array:
+    """Per-window mean NLL (B,) over the completion targets of instruction windows (`jaxdp.data.instructions`):
+    a stored token t >= 0 is a counted token, t <= -2 the context token `-2 - t` (an input only), PAD (-1)
+    neither. A window with no counted target has loss 0."""
+    tokens_BT1 = batch["tokens"]
+    ids_BT1 = jnp.where(tokens_BT1 <= -2, -2 - tokens_BT1, tokens_BT1)  # PAD stays -1: token 0 below
+    return _mean_nll(model, ids_BT1, batch["mask"], tokens_BT1[:, 1:] >= 0)
 
 
 def completion_losses(marker: Sequence[int]) -> Callable:

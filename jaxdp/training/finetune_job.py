@@ -37,16 +37,17 @@ from flax import nnx
 from ml_collections import config_dict
 
 from jaxdp.core import losses
-from jaxdp.data import tasks
+from jaxdp.data import chat, instructions, tasks
 from jaxdp.data import windows as data_lib
 from jaxdp.finetune import methods as finetune
 from jaxdp.finetune import settings as finetune_settings
+from jaxdp.finetune import targets as family_targets
 from jaxdp.models import hf_checkpoint, hf_gpt2, hf_llama
 from jaxdp.models.llama import LlamaConfig
 from jaxdp.noise import draws as noise_lib
 from jaxdp.noise import seeds
 from jaxdp.training import config as config_lib
-from jaxdp.training import hosts, preparation
+from jaxdp.training import hosts, init_weights, preparation
 from jaxdp.training.config import ConfigError
 from jaxdp.training.preparation import Prepared
 from jaxdp.training.run_dir import (
@@ -59,7 +60,6 @@ from jaxdp.training.run_dir import (
     latest_checkpoint_meta,
     read_json,
     read_trained,
-    tree_sha256,
 )
 
 FROM_INIT = "init"  # config.model.family / config.data.tokenizer of the finetune config: taken from init
@@ -136,8 +136,19 @@ def method_options(config):
     return finetune_settings.from_flat(ft.method, {name: ft[name] for name in METHOD_ARGS})
 
 
+def data_format(config) -> str:
+    """config.data.format: "text" (a corpus, as pretraining reads) or "instruct" (`jaxdp.data.instructions`);
+    "text" where the config has no such field (runs from before it)."""
+    fmt = config.data.get("format", "text")
+    if fmt not in instructions.FORMATS:
+        raise ConfigError(f"config.data.format must be one of {instructions.FORMATS}, got {fmt!r}")
+    return fmt
+
+
 def resolve(config):
-    """A copy of `config` whose `model` and `data.tokenizer` are those of `config.finetune.init`."""
+    """A copy of `config` whose `model` and `data.tokenizer` are those of `config.finetune.init` (and without
+    `data.format` when it is "text": a text run's config.json is the one it wrote before the field existed, so
+    such runs still resume)."""
     ft = config.finetune
     kind = _init_kind(ft.init)
     if config.model.get("family") != FROM_INIT or len(config.model) != 1:
@@ -150,6 +161,8 @@ def resolve(config):
     with resolved.unlocked():
         resolved.model = config_dict.ConfigDict(model)
         resolved.data.tokenizer = tokenizer
+        if "format" in resolved.data and data_format(config) == "text":
+            del resolved.data["format"]
     resolved.lock()
     return resolved, kind
 
@@ -184,6 +197,7 @@ def prepare(config, *, progress=None, notice=None) -> Prepared:
     if hosts.launched_as_one_of_several():
         raise ConfigError("fine-tuning runs in one process on one device: unset JAX_COORDINATOR_ADDRESS (several "
                           "hosts run experiments.pretrain_gpt2 only)")
+    fmt = data_format(config)
     resolved, kind = resolve(config)
     if resolved.memory_budget_gb is not None or config_lib.runs_sharded_step(resolved):
         raise ConfigError("fine-tuning runs on the single-device step: config.memory_budget_gb must be None, "
@@ -201,7 +215,14 @@ def prepare(config, *, progress=None, notice=None) -> Prepared:
     la = ft.loss_after
     if la is not None and not isinstance(la, str):
         raise ConfigError(f"config.finetune.loss_after must be a string ('' or None: the whole text), got {la!r}")
-    p = preparation.prepare(resolved, progress=progress)
+    _check_targets(ft, resolved.model.family)
+    windows = None
+    if fmt == "instruct":
+        if la not in (None, "", tasks.PROMPT):  # the sentiment default is the config's: not the user's choice
+            raise ConfigError(f"config.finetune.loss_after ({la!r}) applies to text data; instruction data "
+                              "(config.data.format='instruct') counts its completion tokens: leave it unset")
+        la, windows = None, _instruction_windows(resolved, ft.init)
+    p = preparation.prepare(resolved, progress=progress, windows=windows)
     if kind == "hf" and _hf_vocab(ft.init) != p.tokenizer.vocab_size:
         raise ConfigError(f"config.finetune.init: the checkpoint's vocab_size ({_hf_vocab(ft.init)}) differs from "
                           f"its tokenizer's ({p.tokenizer.name}: {p.tokenizer.vocab_size})")
@@ -223,10 +244,41 @@ def prepare(config, *, progress=None, notice=None) -> Prepared:
     def build(seed: int) -> nnx.Module:
         model = nnx.clone(pretrained)
         return finetune.prepare(model, ft.method, rngs=nnx.Rngs(noise_lib.key_from_seed(seed)), options=options)
-    loss_fn = _completion_loss(p, la) if la else p.loss_fn
+    loss_fn = losses.instruction_losses if fmt == "instruct" else _completion_loss(p, la) if la else p.loss_fn
     if message and notice is not None:  # the run will start: no note before a one-line error
         notice(message)
     return dataclasses.replace(p, build_model=build, loss_fn=loss_fn)
+
+
+def _check_targets(ft, family: str) -> None:
+    """The LoRA / adapter targets the config names, against the family's projections
+    (`jaxdp.finetune.targets`), named by their config field."""
+    fields = {"lora": ("lora_targets",), "reversible": ("lora_targets",), "adapter": ("adapter_targets",)}
+    for field in fields.get(ft.method, ()):
+        if ft[field] is not None:
+            try:
+                family_targets.check_targets(family, ft[field], f"config.finetune.{field}")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
+
+def _instruction_windows(config, init: str):
+    """`windows(tokenizer)` for `preparation.prepare`: the instruction jsonl of config.data.path, rendered with
+    the chat template beside the tokenizer (config.data.tokenizer's directory, else the init's), if any."""
+    where = pathlib.Path(config.data.tokenizer)
+    where = where if where.is_dir() else pathlib.Path(init).expanduser()
+    try:
+        template = chat.ChatTemplate.from_directory(where)
+        if template is not None:
+            chat.check_jinja()
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"config.finetune.init: {e}") from None
+
+    def windows(tokenizer):
+        return instructions.instruction_windows(
+            config.data.path, tokenizer, template, config.seq_len, id_field=config.data.id_field,
+            validation_fraction=config.data.validation_fraction, cache_dir=config.data.cache_dir)
+    return windows
 
 
 def fit_prompt(config):
@@ -276,8 +328,9 @@ def load_finetuned(p: Prepared) -> nnx.Module:
 def untrained_model(run_config: dict, model_config, workdir) -> nnx.Module:
     """A fine-tuning run's model before its trained parameters are read (`read_trained`): the init weights of
     its config.json (`run_config`) with its method applied; `model_config` the run's (compute settings may
-    differ). ConfigError when the init weights are not where the run read them, or not the files it read
-    (their `tree_sha256`, kept in config.json; older runs lack it). `full` trains every parameter: no init."""
+    differ). ConfigError when the init weights are not where the run read them, or not the weights it read
+    (`jaxdp.training.init_weights.init_sha256`, kept in config.json; older runs kept `tree_sha256` of the
+    directory, still accepted, or lack it). `full` trains every parameter: no init."""
     ft = config_dict.ConfigDict(run_config["finetune"])
     if ft.method == "full":
         return config_lib.build_model(model_config, 0)
@@ -288,7 +341,7 @@ def untrained_model(run_config: dict, model_config, workdir) -> nnx.Module:
     except ConfigError as e:
         raise ConfigError(f"{why}; {e}") from None
     kept = ft.get("init_sha256")
-    if kept is not None and tree_sha256(pathlib.Path(ft.init).expanduser(), exclude=workdir) != kept:
+    if kept is not None and not init_weights.matches(kept, ft.init, exclude=workdir):
         raise ConfigError(f"{why}; the files under config.finetune.init ({ft.init}) are not those the run trained "
                           "from (their SHA-256 differs): restore them")
     model = _pretrained(ft.init, kind, model_config)
@@ -318,7 +371,7 @@ def add_accuracy(p: Prepared, model: nnx.Module | None = None) -> dict | None:
     """
     config = p.config
     n = config.finetune.accuracy_examples
-    if n == 0:
+    if n == 0 or data_format(config) == "instruct":  # sentiment snippets only
         return None
     summary = read_json(p.workdir / SUMMARY_FILE) or {}
     if "heldout_accuracy" in summary:

@@ -61,7 +61,7 @@ from jaxdp.sampling.poisson import (
     overflow_slack,
 )
 from jaxdp.sharding import processes
-from jaxdp.training import noise_choice, steps
+from jaxdp.training import init_weights, noise_choice, steps
 from jaxdp.training.config import (
     ConfigError,
     _require,
@@ -80,7 +80,6 @@ from jaxdp.training.run_dir import (
     TOKENIZER_DIR,
     Ticker,
     latest_checkpoint_meta,
-    tree_sha256,
 )
 
 # ------------------------------------------------------------------ preparation (no writes)
@@ -114,7 +113,7 @@ class Prepared:
     # The per-window loss the step and the validation loss use (`jaxdp.core.losses`); fine-tuning may count the
     # label only (`completion_losses`). Single-device step only: the sharded step uses `cp_lm_losses`.
     loss_fn: Callable = dataclasses.field(default=lm_losses, repr=False)
-    # Fine-tuning: SHA-256 of the files of config.finetune.init (`tree_sha256`), so that a resume on other
+    # Fine-tuning: SHA-256 of the init weights (`jaxdp.training.init_weights.init_sha256`), so that a resume on other
     # init weights under the same path is refused; None when pretraining.
     init_key: str | None = None
     num_units: int = 0                 # N: the training units (windows, documents or users)
@@ -153,16 +152,21 @@ class Prepared:
         return seeds.derive_seed(self.root_seed, domain, *path)
 
 
-def prepare(config, *, progress: Callable | None = None) -> Prepared:
-    """Validates the config and builds data, tokenizer, sampler and sigma; writes nothing to the workdir."""
+def prepare(config, *, progress: Callable | None = None, windows: Callable | None = None) -> Prepared:
+    """Validates the config and builds data, tokenizer, sampler and sigma; writes nothing to the workdir.
+    `windows(tokenizer) -> (train, validation)`: the run's windows instead of the corpus of config.data.path
+    in `TokenWindows` (the fine-tuning job's instruction data, `jaxdp.data.instructions`); its ValueError is a
+    ConfigError on config.data."""
     validate_config(config)
     workdir = pathlib.Path(config.workdir)
     cfg_json = _without_default_mechanism(json.loads(config.to_json_best_effort(sort_keys=True)))
     cfg_json.pop("compilation_cache_dir", None)  # where this machine keeps compiled programs: not the run's
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"config.workdir {workdir} exists and is not a directory")
+    docs = ids = None
     try:
-        docs, ids = data_lib.load_corpus(config.data.path, id_field=config.data.id_field)
+        if windows is None:
+            docs, ids = data_lib.load_corpus(config.data.path, id_field=config.data.id_field)
     except ValueError as e:
         raise ConfigError(f"config.data.path: {e}") from None
     meta = latest_checkpoint_meta(workdir / CHECKPOINT_DIR)
@@ -179,7 +183,10 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
     init_key = None
     if "finetune" in config:  # where and which init weights, so that generation finds these
         init = pathlib.Path(str(config.finetune.init)).expanduser()
-        init_key = tree_sha256(init, exclude=workdir)
+        try:  # the weights, config and tokenizer read from it (stable across copies of the directory)
+            init_key = init_weights.init_sha256(init)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"config.finetune.init: {e}") from None
         cfg_json["finetune"].update(init=os.path.realpath(init), init_sha256=init_key)
     saved = workdir / CONFIG_FILE
     if saved.is_file():
@@ -197,15 +204,18 @@ def prepare(config, *, progress: Callable | None = None) -> Prepared:
             spec = config.data.tokenizer
             trains = spec.startswith("bpe") and spec[3:].isdigit()
             shown = progress is not None and trains  # a bpe<N> trains on the corpus: seconds to minutes
-            with Ticker(f"training the {spec} tokenizer on {len(docs)} documents", shown):
+            with Ticker(f"training the {spec} tokenizer on {len(docs or ())} documents", shown):
                 tokenizer = data_lib.make_tokenizer(spec, docs)
     except (ValueError, ImportError) as e:
         raise ConfigError(f"config.data.tokenizer: {e}") from None
     kw = dict(validation_fraction=config.data.validation_fraction, cache_dir=config.data.cache_dir,
               progress=progress, ids=ids)
     try:
-        train = data_lib.TokenWindows(docs, tokenizer, config.seq_len, split="train", **kw)
-        valid = data_lib.TokenWindows(docs, tokenizer, config.seq_len, split="validation", **kw)
+        if windows is not None:
+            train, valid = windows(tokenizer)
+        else:
+            train = data_lib.TokenWindows(docs, tokenizer, config.seq_len, split="train", **kw)
+            valid = data_lib.TokenWindows(docs, tokenizer, config.seq_len, split="validation", **kw)
     except ValueError as e:
         raise ConfigError(f"config.data: {e}") from None
     unit = config.privacy.unit
@@ -353,6 +363,9 @@ def _continued(p: Prepared, meta: dict) -> Prepared:
                                "checked); pass a new --config.workdir to start another run")
     now = mechanism(p)
     diff = [k for k in sorted(set(kept) | set(now)) if not _same(kept.get(k), now.get(k))]
+    if "init_weights" in diff and kept.get("init_weights") and now.get("init_weights") and init_weights.matches(
+            kept["init_weights"], p.config.finetune.init, exclude=p.workdir):  # a run recorded the whole directory
+        diff.remove("init_weights")
     if "init_weights" in diff:
         raise ConfigError(
             f"workdir {p.workdir} holds a run that trained from other init weights: the files under "
