@@ -193,8 +193,8 @@ def _without(tensors, name):
 
 
 @pytest.mark.parametrize("family, change, match", [
-    ("qwen2", {"model_type": "gemma2"}, r"model_type='gemma2' is not supported; jaxdp loads"),
-    ("qwen2", {"model_type": None, "architectures": ["Gemma2ForCausalLM"]}, "no model_type, and architectures="),
+    ("qwen2", {"model_type": "mixtral"}, r"model_type='mixtral' is not supported; jaxdp loads"),
+    ("qwen2", {"model_type": None, "architectures": ["MixtralForCausalLM"]}, "no model_type, and architectures="),
     ("qwen2", {"architectures": ["Qwen3ForCausalLM"]},
      r"architectures=\['Qwen3ForCausalLM'\] is a checkpoint of \['qwen3'\], but model_type='qwen2'"),
     ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
@@ -237,7 +237,7 @@ def test_other_families_tensors_and_layouts_are_refused(tmp_path):
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"LlamaConfig\(family='llama'\) with qkv_bias=True has no HF layout"):
         jaxdp.save_hf(model, tmp_path / "out")
-    with pytest.raises(ValueError, match="model must be a jaxdp.models.gpt2.GPT2 or"):
+    with pytest.raises(ValueError, match="model must be a jaxdp.models.gpt2.GPT2, "):
         jaxdp.save_hf(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tmp_path / "out")
     with pytest.raises(ValueError, match="LlamaConfig.family must be one of"):
         LlamaConfig.preset("tiny", family="gemma2")

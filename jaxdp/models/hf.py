@@ -6,8 +6,9 @@ no `model_type` (`jaxdp.models.hf_checkpoint.model_type`):
   gpt2                          -> `jaxdp.models.gpt2.GPT2`    (`hf_gpt2`)
   llama, mistral, qwen2, qwen3  -> `jaxdp.models.llama.Llama`  (`hf_llama`; the
                                    family is kept in `LlamaConfig.family`)
+  gemma2, gemma3_text           -> `jaxdp.models.gemma.Gemma`  (`hf_gemma`; `GemmaConfig.family`)
 
-Anything else (gemma2, qwen2_moe, mixtral, ...), a config value the model
+Anything else (the multimodal gemma3 wrapper, qwen2_moe, mixtral, ...), a config value the model
 does not implement, or a missing, extra or misshapen tensor is one ValueError
 naming the file and the key, raised before any tensor is copied or any
 compute runs. Nothing here reaches a network.
@@ -22,7 +23,9 @@ import os
 
 from flax import nnx
 
-from jaxdp.models import hf_checkpoint, hf_gpt2, hf_llama
+from jaxdp.models import hf_checkpoint, hf_gemma, hf_gpt2, hf_llama
+from jaxdp.models.gemma import FAMILIES as GEMMA_FAMILIES
+from jaxdp.models.gemma import Gemma
 from jaxdp.models.gpt2 import GPT2
 from jaxdp.models.llama import Llama
 
@@ -36,7 +39,7 @@ def model_type(path: str | os.PathLike) -> str:
     return hf_checkpoint.model_type(hf_checkpoint.read_config(path), os.path.join(path, hf_checkpoint.CONFIG_FILE))
 
 
-def load_hf(path: str | os.PathLike, *, dtype: str = "float32", **compute) -> GPT2 | Llama:
+def load_hf(path: str | os.PathLike, *, dtype: str = "float32", **compute) -> GPT2 | Llama | Gemma:
     """Loads a local HF checkpoint directory of any family jaxdp implements (float32 parameters).
 
     Args:
@@ -46,19 +49,21 @@ def load_hf(path: str | os.PathLike, *, dtype: str = "float32", **compute) -> GP
       **compute: the other compute settings of the model's config: `remat`, `attention`.
 
     Returns:
-      a `GPT2` (model_type gpt2) or a `Llama` (llama, mistral, qwen2, qwen3).
+      a `GPT2` (model_type gpt2), a `Llama` (llama, mistral, qwen2, qwen3) or a `Gemma` (gemma2, gemma3_text).
 
     Raises:
       FileNotFoundError: a file is missing (the message names it).
       ValueError: an unsupported model_type or config value, or a missing,
         unexpected or wrongly shaped tensor (the message names the file and key).
     """
-    load = hf_gpt2.load_hf_gpt2 if model_type(path) == "gpt2" else hf_llama.load_hf_llama
+    kind = model_type(path)
+    load = (hf_gpt2.load_hf_gpt2 if kind == "gpt2" else hf_gemma.load_hf_gemma if kind in GEMMA_FAMILIES
+            else hf_llama.load_hf_llama)
     return load(path, dtype=dtype, **compute)
 
 
 def save_hf(model: nnx.Module, path: str | os.PathLike, *, dtype: str = "float32") -> None:
-    """Writes `model` (a `GPT2` or `Llama`) as an HF checkpoint directory of its family, as `load_hf` reads it.
+    """Writes `model` (a `GPT2`, `Llama` or `Gemma`) as an HF checkpoint directory of its family, as `load_hf` reads it.
 
     LoRA layers must be merged first (`jaxdp.finetune.methods.merge_lora`); adapters and soft prompts have
     no place in HF's layouts and are refused. `dtype`: "float32", "bfloat16" or "float16".
@@ -67,6 +72,8 @@ def save_hf(model: nnx.Module, path: str | os.PathLike, *, dtype: str = "float32
         hf_gpt2.save_hf_gpt2(model, path, dtype=dtype)
     elif isinstance(model, Llama):
         hf_llama.save_hf_llama(model, path, dtype=dtype)
+    elif isinstance(model, Gemma):
+        hf_gemma.save_hf_gemma(model, path, dtype=dtype)
     else:
-        raise ValueError(f"model must be a jaxdp.models.gpt2.GPT2 or jaxdp.models.llama.Llama, got "
-                         f"{type(model).__name__}")
+        raise ValueError(f"model must be a jaxdp.models.gpt2.GPT2, jaxdp.models.llama.Llama or "
+                         f"jaxdp.models.gemma.Gemma, got {type(model).__name__}")

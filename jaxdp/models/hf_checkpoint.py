@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint directories: what `hf_gpt2` and `hf_llama` share.
+"""Hugging Face checkpoint directories: what `hf_gpt2`, `hf_llama` and `hf_gemma` share.
 
 A checkpoint directory holds `config.json` and `model.safetensors` (or a
 sharded `model.safetensors.index.json` and its files), as written by
@@ -31,8 +31,13 @@ FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")  # what a weight ma
 Names = dict[str, tuple[tuple, bool]]
 # {transformers class in config.json's `architectures`: the model_type it is a checkpoint of}
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-MODEL_TYPES = tuple(dict.fromkeys(ARCHITECTURES.values()))  # what jaxdp loads: gpt2, llama, mistral, qwen2, qwen3
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2",
+                 "Gemma3ForCausalLM": "gemma3_text"}
+MODEL_TYPES = tuple(dict.fromkeys(ARCHITECTURES.values()))  # what jaxdp loads: gpt2, llama, ..., gemma2, gemma3_text
+# model_types refused with a pointer to what does load
+REFUSED_HINTS = {"gemma3": "it is the multimodal Gemma3ForConditionalGeneration (gemma-3-4b and up: a vision tower "
+                           "beside the text model, under other tensor names); jaxdp loads the text-only "
+                           "'gemma3_text' checkpoints (Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b)"}
 
 
 def read_config(path: str) -> dict:
@@ -68,7 +73,8 @@ def model_type(hf: dict, source: str, default: str | None = None) -> str:
             raise ValueError(f"{source}: no model_type, and architectures={architectures!r} names no one class of "
                              f"{sorted(ARCHITECTURES)}")
     if kind not in MODEL_TYPES:
-        raise ValueError(f"{source}: model_type={kind!r} is not supported; jaxdp loads {MODEL_TYPES}")
+        hint = f" ({REFUSED_HINTS[kind]})" if kind in REFUSED_HINTS else ""
+        raise ValueError(f"{source}: model_type={kind!r} is not supported{hint}; jaxdp loads {MODEL_TYPES}")
     if any(n != kind for n in named):
         raise ValueError(f"{source}: architectures={architectures!r} is a checkpoint of {named}, but "
                          f"model_type={kind!r}")
