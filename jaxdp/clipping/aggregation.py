@@ -17,7 +17,7 @@ from jaxdp.clipping import device_rates, norm_costs
 from jaxdp.clipping import norms as norms_lib
 from jaxdp.clipping import rules as clipping_lib
 from jaxdp.core import rows as rows_lib
-from jaxdp.core.terms import DenseTerm, FactoredGrad, as_factored, is_factored, pinned
+from jaxdp.core.terms import DenseTerm, FactoredGrad, as_factored, is_factored, is_stacked, pinned
 from jaxdp.noise import draws as noise_lib
 from jaxdp.noise.mechanisms import DPSGD
 from jaxdp.clipping.settings import (ClipSpec, DPSpec, NormPlan, accepts_old_keywords, check_clip_spec,
@@ -49,10 +49,37 @@ def _path_keys(keypath) -> tuple:
 
 
 def flatten_grads(grads):
-    """(paths, FactoredGrads, treedef) of a tree of FactoredGrads or per-example arrays."""
+    """(paths, FactoredGrads, treedef) of a tree of FactoredGrads, StackedGrads or per-example arrays."""
     with_path, treedef = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_factored)
     paths = [_path_keys(kp) for kp, _ in with_path]
-    return paths, [as_factored(leaf) for _, leaf in with_path], treedef
+    return paths, [leaf if is_stacked(leaf) else as_factored(leaf) for _, leaf in with_path], treedef
+
+
+def _per_layer(paths, factored):
+    """(paths, FactoredGrads, counts): every StackedGrad of L layers split into its L layers under the
+    unrolled model's paths, so that groups, thresholds and norms are the unrolled model's; `counts[i]` is
+    how many entries leaf i became (L, or 1)."""
+    out_paths, out, counts = [], [], []
+    for path, grad in zip(paths, factored):
+        if is_stacked(grad):
+            L = grad.num_layers
+            out_paths += [grad.layer_path(path, l) for l in range(L)]
+            out += [grad.layer(l) for l in range(L)]
+            counts.append(L)
+        else:
+            out_paths.append(path)
+            out.append(grad)
+            counts.append(1)
+    return out_paths, out, counts
+
+
+def _restacked(sums, counts, factored) -> list:
+    """The per-leaf sums of `_per_layer`'s entries: a stacked leaf's L sums stacked again."""
+    out, i = [], 0
+    for n, grad in zip(counts, factored):
+        out.append(jnp.stack(sums[i:i + n]) if is_stacked(grad) else sums[i])
+        i += n
+    return out
 
 
 def _check_parameter_shapes(grads, params) -> None:
@@ -105,7 +132,8 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
     check_clip_spec(clip)
     check_norm_plan(norms)
     strategy, chunk_size = norms.strategy, norms.chunk_size
-    paths, factored, treedef = flatten_grads(grads)
+    leaf_paths, leaves, treedef = flatten_grads(grads)
+    paths, factored, counts = _per_layer(leaf_paths, leaves)  # a scanned model's layers one by one
     groups = [clipping_lib.group_of(p, clip.clipping) for p in paths]
     thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, clip.weights)
     single, single_roots = {}, {}  # single_roots: the single-pass parameter's other terms' |T_i| summed
@@ -161,7 +189,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
         if rest:  # the tied embedding: its lookup term, clipped with the same factors
             part = part + clipping_lib.clipped_sum(FactoredGrad(rest), factors[group], pallas=True)
         sums.append(part)
-    return jax.tree.unflatten(treedef, sums), guarded
+    return jax.tree.unflatten(treedef, _restacked(sums, counts, leaves)), guarded
 
 
 # Materialised per-example gradients: small dense ones (biases, norm scales) and the G_b that strategy

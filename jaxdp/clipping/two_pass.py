@@ -113,6 +113,11 @@ def two_pass_clipped_sums(loss_fn: LossFn, l2_norm_clip: float, *, clip: ClipSpe
 
     def fn(model: nnx.Module, batch):
         graphdef, params, rest, uses, axes, losses_of = discover(loss_fn, model, batch)
+        scanned = sorted({"/".join(map(str, u.scan.path)) for u in uses.values() if u.scan is not None})
+        if scanned:
+            raise ValueError(f"two_pass_clipped_sums does not support scanned layers ({', '.join(scanned)}; "
+                             "scan_layers=True): use per_example_grads + fused_clip (book-keeping), or "
+                             "scan_layers=False")
         low = [(k, v.dtype) for k, u in uses.items() for v in (u.y, u.record) if below_float32(v.dtype)]
         if low and not allow_low_precision:
             raise ValueError(

@@ -31,6 +31,11 @@ axis the batch varies over (GPT-2's position embedding) is first marked
 varying over it: otherwise its cotangent would arrive already psum-ed over
 the axis (the transpose of the implicit pvary), i.e. summed over devices.
 Outside shard_map there are no such axes and nothing changes.
+
+Scanned layers (`jaxdp.core.layer_scan`): a stack of L layers run by `lax.scan` is traced once, so each tap
+inside the body registers one use, marked with its scan (`Use.scan`). Its slots carry a
+leading layer axis and enter the scan as its xs (`_Tape.scan_slots`); the scan's transpose stacks the L
+layers' cotangents, so `(g, record)` of layer l is slice l. Mode "norms" refuses scanned layers.
 """
 
 from __future__ import annotations
@@ -103,6 +108,15 @@ def _norm_tap(norms_fn, keep_terms: bool, axes: tuple[str, ...]):
     return norm_tap
 
 
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """One `jaxdp.core.layer_scan.scan_layers` call: its key, the stacked module's path, its layers (L)."""
+
+    key: str
+    path: tuple[Any, ...]
+    layers: int
+
+
 @dataclasses.dataclass
 class Use:
     """One call of a DP layer inside the traced forward pass."""
@@ -114,6 +128,7 @@ class Use:
     record_dtype: Any
     y_axes: tuple[str, ...] = ()        # manual axes y varies over (inside shard_map)
     record_axes: tuple[str, ...] = ()
+    scan: Scan | None = None            # the layer scan it runs in (None: not scanned)
 
 
 class _Tape:
@@ -124,6 +139,37 @@ class _Tape:
         self.uses: dict[str, Use] = {}
         self.slots = slots
         self._counts: dict[tuple, int] = {}
+        self.scans: dict[str, Scan] = {}
+        self.scope: Scan | None = None  # the scan whose body is being traced
+
+    def open_scan(self, path, layers: int) -> str:
+        """Registers a scan over `layers` stacked layers at `path`; returns its key."""
+        if self.mode == "norms":
+            raise ValueError(
+                f"the two-pass norms (jaxdp.two_pass_clipped_sums) do not support scanned layers ("
+                f"{'/'.join(map(str, path))}, scan_layers=True): use per_example_grads with fused_clip, or "
+                "scan_layers=False")
+        if self.scope is not None:
+            raise ValueError("per_example_grads: a layer scan inside another layer scan is not supported")
+        n = sum(scan.path == tuple(path) for scan in self.scans.values())
+        key = "/".join(map(str, path)) + f":scan:{n}"
+        self.scans[key] = Scan(key, tuple(path), layers)
+        return key
+
+    def scan_slots(self, scan: str):
+        """The slots (leading layer axis) of the uses inside scan `scan`: the scan's xs ({} in discover)."""
+        return {} if self.mode == "discover" else self.slots.get(scan, {})
+
+    @contextlib.contextmanager
+    def inside(self, scan: str, layer_slots, counts: dict):
+        """While one layer of scan `scan` is traced: taps find `layer_slots`; call counts restart at
+        `counts` (those at the scan's start), so a retraced body keys its uses the same way."""
+        outer = self.slots, self.scope
+        self.slots, self.scope, self._counts = layer_slots, self.scans[scan], dict(counts)
+        try:
+            yield
+        finally:
+            self.slots, self.scope = outer
 
     def key(self, path, use) -> str:
         n = self._counts.get((path, use), 0)
@@ -150,7 +196,7 @@ class _Tape:
             self.uses[key] = Use(path, terms_fn,
                                  jax.ShapeDtypeStruct(y.shape, y.dtype),
                                  jax.ShapeDtypeStruct(record.shape, record.dtype),
-                                 record_dtype, varying_axes(y), varying_axes(record))
+                                 record_dtype, varying_axes(y), varying_axes(record), self.scope)
             return y
         if self.mode == "norms":
             slots = self.slots[key]

@@ -31,7 +31,7 @@ from flax import nnx
 
 from jaxdp.core import _tape
 from jaxdp.core.nn import DP_LAYERS
-from jaxdp.core.terms import DenseTerm, FactoredGrad
+from jaxdp.core.terms import DenseTerm, FactoredGrad, StackedGrad
 
 LossFn = Callable[[nnx.Module, Any], jax.Array]
 
@@ -45,8 +45,9 @@ def _label_layers(model: nnx.Module) -> None:
     a jitted step changed its graphdef after the first call, and the step
     compiled a second time (issue "5/6", item 4).
     """
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, DP_LAYERS) and node.dp_path != tuple(path):
+    for path, node in nnx.iter_graph(model):  # DP layers and stacked modules (`jaxdp.core.layer_scan.stack`)
+        if (isinstance(node, DP_LAYERS) or isinstance(node, nnx.Module) and hasattr(node, "dp_path")) \
+                and node.dp_path != tuple(path):
             node.dp_path = tuple(path)
 
 
@@ -92,7 +93,7 @@ def per_example_grads(loss_fn: LossFn, *, fallback: bool = True):
 
     def grads_fn(model: nnx.Module, batch):
         graphdef, params, rest, uses, axes, losses_of = discover(loss_fn, model, batch)
-        slots = {k: term_slots(u) for k, u in uses.items()}
+        slots = use_slots(uses)
 
         # Parameters and the rest of the state (Frozen parameters among it) enter under stop_gradient:
         # the backward forms no weight gradient, only the slots' cotangents.
@@ -106,12 +107,17 @@ def per_example_grads(loss_fn: LossFn, *, fallback: bool = True):
 
         terms_by_path: dict[tuple, list] = {}
         for key, use in uses.items():
-            for name, term in use_terms(use, *slot_cts[key]).items():
+            if use.scan is None:
+                terms = use_terms(use, *slot_cts[key])
+            else:  # the scan's slots came back stacked: (L, B, ...)
+                terms = jax.vmap(lambda g, r, use=use: use_terms(use, g, r))(*slot_cts[use.scan.key][key])
+            for name, term in terms.items():
                 terms_by_path.setdefault(use.path + (name,), []).append(term)
-        add_fallback_terms(terms_by_path, loss_fn, graphdef, params, rest, batch, fallback)
+        stacked = stacked_paths(params, uses)
+        add_fallback_terms(terms_by_path, loss_fn, graphdef, params, rest, batch, fallback, stacked=stacked)
         flat = list(nnx.to_flat_state(params))
         grads = nnx.from_flat_state(
-            [(path, var.replace(FactoredGrad(tuple(terms_by_path[tuple(path)]))))
+            [(path, var.replace(_grad_of(tuple(path), terms_by_path[tuple(path)], stacked)))
              for path, var in flat])
         return losses, grads
 
@@ -155,9 +161,34 @@ def _check_batch_first(uses: dict, batch_size: int) -> None:
 
 
 def term_slots(use: _tape.Use):
-    """Zero slots for one use, varying over the manual axes of what they stand for: (g, record)."""
-    return (_tape.varying_like(jnp.zeros(use.y.shape, use.y.dtype), use.y_axes),
-            _tape.varying_like(jnp.zeros(use.record.shape, use.record.dtype), use.record_axes))
+    """Zero slots for one use, varying over the manual axes of what they stand for: (g, record); a use
+    inside a layer scan has them with a leading layer axis (L, ...)."""
+    lead = (use.scan.layers,) if use.scan is not None else ()
+    return (_tape.varying_like(jnp.zeros(lead + use.y.shape, use.y.dtype), use.y_axes),
+            _tape.varying_like(jnp.zeros(lead + use.record.shape, use.record.dtype), use.record_axes))
+
+
+def use_slots(uses: dict) -> dict:
+    """{use key: slots} of the uses outside layer scans, and {scan key: {use key: slots}} of those inside
+    one (the scan's xs, `jaxdp.core._tape.Scan`)."""
+    slots: dict = {}
+    for key, use in uses.items():
+        (slots if use.scan is None else slots.setdefault(use.scan.key, {}))[key] = term_slots(use)
+    return slots
+
+
+def stacked_paths(params, uses: dict) -> dict:
+    """{parameter path: layer_axis_at} of the parameters under a layer scan's stacked module."""
+    prefixes = {use.scan.path for use in uses.values() if use.scan is not None}
+    return {tuple(p): len(prefix) for p, _ in nnx.to_flat_state(params)
+            for prefix in prefixes if tuple(p)[:len(prefix)] == prefix}
+
+
+def _grad_of(path: tuple, terms: list, stacked: dict):
+    """A FactoredGrad, or a StackedGrad for a stacked parameter."""
+    if path in stacked:
+        return StackedGrad(FactoredGrad(tuple(terms)), stacked[path])
+    return FactoredGrad(tuple(terms))
 
 
 def use_terms(use: _tape.Use, g, record) -> dict:
@@ -169,13 +200,15 @@ def use_terms(use: _tape.Use, g, record) -> dict:
     return use.terms_fn(record, g)
 
 
-def add_fallback_terms(terms_by_path: dict, loss_fn, graphdef, params, rest, batch, fallback: bool) -> None:
-    """Adds a DenseTerm for every parameter no layer rule covered (or raises when `fallback` is False)."""
+def add_fallback_terms(terms_by_path: dict, loss_fn, graphdef, params, rest, batch, fallback: bool, *,
+                       stacked: dict | None = None) -> None:
+    """Adds a DenseTerm for every parameter no layer rule covered (or raises when `fallback` is False); a
+    stacked parameter's (`stacked_paths`) with its layer axis first, (L, B, ...)."""
     missing = [path for path, _ in nnx.to_flat_state(params) if tuple(path) not in terms_by_path]
     if missing:
         for path, value in _fallback_grads(loss_fn, graphdef, params, rest, batch,
                                            missing, fallback).items():
-            terms_by_path[path] = [DenseTerm(value)]
+            terms_by_path[path] = [DenseTerm(jnp.moveaxis(value, 1, 0) if path in (stacked or {}) else value)]
 
 
 def _batch_axes(batch) -> tuple[str, ...]:

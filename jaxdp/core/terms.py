@@ -10,6 +10,9 @@ Terms:
     `LinearTerm(x_BTP, g_BTD)`   G_b = x_b^T g_b              shape (P, D)
     `EmbedTerm(ids_BT, g_BTD)`   G_b = sum_t onehot(ids_bt) g_bt  shape (V, D)
     `DenseTerm(value_B)`         G_b = value_B[b]             any shape
+
+A parameter stacked over layers (a scanned model) has a `StackedGrad`: a FactoredGrad whose arrays lead
+with the layer axis.
 """
 
 from __future__ import annotations
@@ -104,6 +107,45 @@ class FactoredGrad:
         return self.terms[0].batch_size
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedGrad:
+    """The per-example gradient of a parameter stacked over L layers (`jaxdp.core.layer_scan`).
+
+    `grad`'s terms carry a leading layer axis before the batch axis: slice l (`layer(l)`) is layer l's
+    FactoredGrad, what the unrolled model's layer l has. `layer_axis_at` is where the layer index goes in
+    the parameter's path to give the unrolled path (the stacked module's path length): clipping groups
+    and thresholds are those of the unrolled model.
+    """
+
+    grad: FactoredGrad
+    layer_axis_at: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_layers(self) -> int:
+        return jax.tree.leaves(self.grad)[0].shape[0]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.grad)
+        return (self.num_layers,) + tuple(one.shape)
+
+    @property
+    def batch_size(self) -> int:
+        return jax.tree.leaves(self.grad)[0].shape[1]
+
+    def layer(self, index: int) -> FactoredGrad:
+        return jax.tree.map(lambda a: a[index], self.grad)
+
+    def layer_path(self, path: tuple, index: int) -> tuple:
+        """The unrolled model's path of layer `index`'s slice of the parameter at `path`."""
+        return tuple(path[:self.layer_axis_at]) + (index,) + tuple(path[self.layer_axis_at:])
+
+
+def is_stacked(x) -> bool:
+    return isinstance(x, StackedGrad)
+
+
 def below_float32(dtype) -> bool:
     """A floating dtype of fewer than 32 bits (bf16, f16): one whose rounding the DP paths must pin."""
     return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
@@ -130,7 +172,8 @@ def pinned(grad: FactoredGrad) -> FactoredGrad:
 
 
 def is_factored(x) -> bool:
-    return isinstance(x, FactoredGrad)
+    """A per-example gradient leaf: a FactoredGrad or a StackedGrad."""
+    return isinstance(x, (FactoredGrad, StackedGrad))
 
 
 def as_factored(leaf) -> FactoredGrad:
@@ -195,6 +238,8 @@ def group_examples(grads, size: int):
         return DenseTerm(dense(t.value_B))
 
     def leaf(g):
+        if isinstance(g, StackedGrad):
+            return StackedGrad(jax.vmap(leaf)(g.grad), g.layer_axis_at)
         if isinstance(g, FactoredGrad):
             return FactoredGrad(tuple(term(t) for t in g.terms))
         return dense(jnp.asarray(g))

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdp.core import nn
+from jaxdp.core import layer_scan, nn
 from jaxdp.core import sequence_shards as context
 from jaxdp.models import attention
 from jaxdp.models.remat import remat_block, remat_policy
@@ -50,6 +50,7 @@ class GPT2Config:
     dtype: str = "float32"       # compute dtype: "float32" | "bfloat16"; parameters stay float32
     remat: bool | str = "none"   # per-block activation checkpointing: "none" | "dots" | "full" (True: "full")
     attention: str = "auto"      # "auto" (cuDNN on GPU for bf16, XLA otherwise) | "xla" | "cudnn"
+    scan_layers: bool = False    # blocks stacked on a leading layer axis and run by lax.scan (one compiled block)
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -60,6 +61,8 @@ class GPT2Config:
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"GPT2Config.dtype must be 'float32', 'bfloat16' or 'float64', got {self.dtype!r}")
         remat_policy(self.remat)  # raises on an unknown policy
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"GPT2Config.scan_layers must be True or False, got {self.scan_layers!r}")
         attention.check_implementation(self.attention)
 
     @classmethod
@@ -142,7 +145,9 @@ class GPT2(nnx.Module):
         self.wte = nn.Embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs)
         self.wpe = nn.Embed(config.seq_len, config.d_model, dtype=dtype,
                             embedding_init=nnx.initializers.normal(0.01), rngs=rngs)
-        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layer)])
+        blocks = [Block(config, rngs=rngs) for _ in range(config.n_layer)]
+        # scan_layers: one Block whose variables lead with the layer axis (the same values as unrolled's)
+        self.blocks = layer_scan.stack(blocks) if config.scan_layers else nnx.List(blocks)
         self.ln_f = nn.LayerNorm(config.d_model, epsilon=config.layer_norm_epsilon, dtype=dtype)
         self.soft_prompt = nnx.data(None)  # prompt tuning: a jaxdp.core.nn.SoftPrompt (jaxdp.finetune.methods.add_soft_prompt)
 
@@ -153,8 +158,11 @@ class GPT2(nnx.Module):
         """The head's input (B, T, D): the blocks, then the final norm at the tokens' positions."""
         x_BTD, positions_T = self.embed(tokens_BT, seq_axis=seq_axis)
         apply = remat_block(_block_fn(seq_axis), self.config.remat)
-        for block in self.blocks:
-            x_BTD = apply(block, x_BTD, positions_T)
+        if self.config.scan_layers:
+            x_BTD = layer_scan.scan_layers(apply, self.blocks, x_BTD, positions_T)
+        else:
+            for block in self.blocks:
+                x_BTD = apply(block, x_BTD, positions_T)
         return self.final_norm(x_BTD, tokens_BT.shape[1])
 
     def embed(self, tokens_BT: jax.Array, *, seq_axis: str | None = None) -> tuple[jax.Array, jax.Array]:

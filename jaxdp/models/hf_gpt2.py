@@ -18,16 +18,17 @@ parameters and are skipped. Names may carry the `transformer.` prefix of
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 from flax import nnx
 
-from jaxdp.models import hf_checkpoint
+from jaxdp.models import hf_checkpoint, layers
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.hf_checkpoint import CONFIG_FILE
 
-OVERRIDABLE = ("dtype", "remat", "attention")  # compute settings; the shapes come from config.json
+OVERRIDABLE = ("dtype", "remat", "attention", "scan_layers")  # compute settings; the shapes come from config.json
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh GELU of jaxdp's GPT-2
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # HF's causal-mask buffers, not parameters
 _PREFIX = "transformer."
@@ -84,7 +85,7 @@ def load_hf_gpt2(path: str | os.PathLike, **config_overrides) -> GPT2:
       path: directory with `config.json` and `model.safetensors` (or
         `model.safetensors.index.json` and the files it names).
       **config_overrides: compute settings of `GPT2Config` only: `dtype`,
-        `remat`, `attention`.
+        `remat`, `attention`, `scan_layers` (the blocks stacked, `jaxdp.models.layers`).
 
     Raises:
       FileNotFoundError: a file is missing (the message names it).
@@ -99,9 +100,11 @@ def load_hf_gpt2(path: str | os.PathLike, **config_overrides) -> GPT2:
             np.asarray(head[0]), np.asarray(tensors["wte.weight"][0])):
         raise ValueError(f"{head[1]}: tensor 'lm_head.weight' differs from 'wte.weight'; jaxdp's GPT-2 ties them")
     tensors = {name: t for name, t in tensors.items() if not name.endswith(_BUFFERS)}
-    abstract = nnx.eval_shape(lambda: GPT2(config, rngs=nnx.Rngs(0)))
-    return hf_checkpoint.load_state(abstract, tensors, source, hf_names(config.n_layer),
-                                    f"a GPT-2 with n_layer={config.n_layer}")
+    # files hold the unrolled layout: read into it, then stack the blocks if scan_layers
+    abstract = nnx.eval_shape(lambda: GPT2(dataclasses.replace(config, scan_layers=False), rngs=nnx.Rngs(0)))
+    model = hf_checkpoint.load_state(abstract, tensors, source, hf_names(config.n_layer),
+                                     f"a GPT-2 with n_layer={config.n_layer}")
+    return layers.with_layout(model, config.scan_layers)
 
 
 def save_hf_gpt2(model: GPT2, path: str | os.PathLike, *, dtype: str = "float32") -> None:
@@ -118,5 +121,6 @@ def save_hf_gpt2(model: GPT2, path: str | os.PathLike, *, dtype: str = "float32"
     """
     if not isinstance(model, GPT2):
         raise ValueError(f"model must be a jaxdp.models.gpt2.GPT2, got {type(model).__name__}")
-    hf_checkpoint.save_checkpoint(model, path, config_to_hf(model.config), hf_names(model.config.n_layer), dtype,
+    hf_checkpoint.save_checkpoint(layers.unrolled(model), path, config_to_hf(model.config),
+                                  hf_names(model.config.n_layer), dtype,
                                   "HF's GPT-2 layout")

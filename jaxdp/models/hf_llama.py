@@ -40,16 +40,17 @@ any layer other than the one kind the config implies.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 from flax import nnx
 
-from jaxdp.models import hf_checkpoint
+from jaxdp.models import hf_checkpoint, layers
 from jaxdp.models.hf_checkpoint import CONFIG_FILE
 from jaxdp.models.llama import FAMILIES, Llama, LlamaConfig
 
-OVERRIDABLE = ("dtype", "remat", "attention")  # compute settings; the shapes come from config.json
+OVERRIDABLE = ("dtype", "remat", "attention", "scan_layers")  # compute settings; the shapes come from config.json
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 _PREFIX = "model."
 _BUFFERS = (".rotary_emb.inv_freq",)
@@ -198,7 +199,7 @@ def load_hf_llama(path: str | os.PathLike, **config_overrides) -> Llama:
       path: directory with `config.json` and `model.safetensors` (or
         `model.safetensors.index.json` and the files it names).
       **config_overrides: compute settings of `LlamaConfig` only: `dtype`,
-        `remat`, `attention`.
+        `remat`, `attention`, `scan_layers` (the blocks stacked, `jaxdp.models.layers`).
 
     Raises:
       FileNotFoundError: a file is missing (the message names it).
@@ -215,10 +216,12 @@ def load_hf_llama(path: str | os.PathLike, **config_overrides) -> Llama:
         if embed is not None and not np.array_equal(np.asarray(head[0]), np.asarray(embed[0])):
             raise ValueError(f"{head[1]}: tensor 'lm_head.weight' differs from 'embed_tokens.weight' although "
                              f"{CONFIG_FILE} says tie_word_embeddings=true")
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-    return hf_checkpoint.load_state(abstract, tensors, source, hf_names(config),
+    # files hold the unrolled layout: read into it, then stack the blocks if scan_layers
+    abstract = nnx.eval_shape(lambda: Llama(dataclasses.replace(config, scan_layers=False), rngs=nnx.Rngs(0)))
+    model = hf_checkpoint.load_state(abstract, tensors, source, hf_names(config),
                                     f"a {NAMES[config.family]} with n_layer={config.n_layer}, tie_word_embeddings="
                                     f"{str(config.tie_embeddings).lower()}")
+    return layers.with_layout(model, config.scan_layers)
 
 
 def save_hf_llama(model: Llama, path: str | os.PathLike, *, dtype: str = "float32") -> None:
@@ -233,5 +236,5 @@ def save_hf_llama(model: Llama, path: str | os.PathLike, *, dtype: str = "float3
         raise ValueError(f"model must be a jaxdp.models.llama.Llama, got {type(model).__name__}")
     names = {(name if name == "lm_head.weight" else _PREFIX + name): target
              for name, target in hf_names(model.config).items()}
-    hf_checkpoint.save_checkpoint(model, path, config_to_hf(model.config), names, dtype,
+    hf_checkpoint.save_checkpoint(layers.unrolled(model), path, config_to_hf(model.config), names, dtype,
                                   f"HF's {NAMES[model.config.family]} layout")

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdp.core import nn
+from jaxdp.core import layer_scan, nn
 from jaxdp.core import sequence_shards as context
 from jaxdp.models import attention
 from jaxdp.models.remat import remat_block, remat_policy
@@ -78,6 +78,7 @@ class LlamaConfig:
     qk_norm: bool = False          # per-head RMSNorm of q and k before RoPE (Qwen3)
     sliding_window: int | None = None  # keys t - w + 1 .. t only (Mistral); None: every earlier key
     family: str = "llama"          # the HF model_type this model is a checkpoint of (`FAMILIES`): names, no math
+    scan_layers: bool = False      # blocks stacked on a leading layer axis and run by lax.scan (one compiled block)
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff"):
@@ -109,6 +110,8 @@ class LlamaConfig:
         if self.dtype not in ("float32", "bfloat16", "float64"):
             raise ValueError(f"LlamaConfig.dtype must be 'float32', 'bfloat16' or 'float64', got {self.dtype!r}")
         remat_policy(self.remat)  # raises on an unknown policy
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"LlamaConfig.scan_layers must be True or False, got {self.scan_layers!r}")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> LlamaConfig:
@@ -233,7 +236,9 @@ class Llama(nnx.Module):
         dtype = jnp.dtype(config.dtype)
         self.config = config
         self.embed_tokens = nn.Embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layer)])
+        blocks = [Block(config, rngs=rngs) for _ in range(config.n_layer)]
+        # scan_layers: one Block whose variables lead with the layer axis (the same values as unrolled's)
+        self.blocks = layer_scan.stack(blocks) if config.scan_layers else nnx.List(blocks)
         self.norm = nn.RMSNorm(config.d_model, epsilon=config.rms_norm_eps, dtype=dtype)
         self.lm_head = None if config.tie_embeddings else nn.Linear(
             config.d_model, config.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
@@ -251,8 +256,11 @@ class Llama(nnx.Module):
         inv_freq = rope_frequencies(self.config)
         x_BTD = self.embed_tokens(tokens_BT)
         apply = remat_block(_block_fn(seq_axis), self.config.remat)
-        for block in self.blocks:
-            x_BTD = apply(block, x_BTD, positions_T, inv_freq)
+        if self.config.scan_layers:
+            x_BTD = layer_scan.scan_layers(apply, self.blocks, x_BTD, positions_T, inv_freq)
+        else:
+            for block in self.blocks:
+                x_BTD = apply(block, x_BTD, positions_T, inv_freq)
         return self.norm(x_BTD)
 
     def head(self, h_BTD: jax.Array) -> jax.Array:

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdp.models import layers
+
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -136,7 +138,9 @@ def _param_names(model) -> list[tuple[str, nnx.Variable]]:
 
 
 def write_model(directory: pathlib.Path, model) -> None:
-    """`<directory>/params.npz`: the model's parameters by path, nothing else (atomic replace)."""
+    """`<directory>/params.npz`: the model's parameters by path, nothing else (atomic replace); a scanned
+    model's in the unrolled layout (`jaxdp.models.layers`), so the file does not depend on scan_layers."""
+    model = layers.unrolled(model)
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / (PARAMS_FILE + ".tmp")
     with open(tmp, "wb") as f:
@@ -149,9 +153,12 @@ def read_model(directory: pathlib.Path, model) -> bool:
     path = directory / PARAMS_FILE
     if not path.is_file():
         return False
+    target = layers.unrolled(model)  # the file's layout
     with np.load(path) as saved:
-        for name, var in _param_names(model):
+        for name, var in _param_names(target):
             var.set_value(jnp.asarray(saved[name], dtype=var.get_value().dtype))
+    if target is not model:
+        nnx.update(model, nnx.state(layers.scanned(target)))
     return True
 
 
