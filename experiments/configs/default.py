@@ -44,6 +44,7 @@ def get_config() -> config_dict.ConfigDict:
     c.model.d_model = 192                # residual width
     c.model.mlp_ratio = 4                # MLP hidden = mlp_ratio * d_model
     c.model.max_seq_len = 128            # learned positions (the model's maximum sequence length)
+    c.model.scan_layers = False          # True: blocks stacked, run by lax.scan (compiles one block; same math)
 
     c.mesh = config_dict.ConfigDict()
     c.mesh.data = 1                      # devices sharding the examples (data parallel)

@@ -26,6 +26,7 @@ def llama_model(*, n_layer: int, n_head: int, n_kv_head: int, d_model: int, d_ff
     m.rope_theta = rope_theta            # RoPE base frequency
     m.rope_scaling = config_dict.FieldReference(rope_scaling, field_type=float)  # None: plain RoPE; else Llama 3.1's factor
     m.tie_embeddings = tie_embeddings    # output head = token embedding (Llama 3.2 1B / 3B) or its own matrix
+    m.scan_layers = False                # True: blocks stacked, run by lax.scan (compiles one block; same math)
     return m
 
 

@@ -48,17 +48,22 @@ MODEL_FIELDS = {
 }
 # Fields of `config.model` that may be absent, and their value then: LlamaConfig's switches (Mistral's window,
 # Qwen2's q/k/v biases, Qwen3's q/k norms and head width), set by fine-tuning from the checkpoint's config.json.
-MODEL_OPTIONAL = {"gpt2": {}, "llama": {"head_dim": None, "qkv_bias": False, "qk_norm": False, "sliding_window": None}}
+# scan_layers (both): the blocks stacked and run by lax.scan (`jaxdp.models.layers`); False when absent.
+MODEL_OPTIONAL = {"gpt2": {"scan_layers": False},
+                  "llama": {"head_dim": None, "qkv_bias": False, "qk_norm": False, "sliding_window": None,
+                            "scan_layers": False}}
 
 
 def model_config(model: Mapping, vocab_size: int, *, dtype: str,
                  remat: bool | str) -> GPT2Config | LlamaConfig:
     """The `GPT2Config` / `LlamaConfig` of `config.model` (a ConfigDict, or its dict from config.json)."""
     common = dict(vocab_size=vocab_size, seq_len=model["max_seq_len"], n_layer=model["n_layer"],
-                  n_head=model["n_head"], d_model=model["d_model"], dtype=dtype, remat=remat)
+                  n_head=model["n_head"], d_model=model["d_model"], dtype=dtype, remat=remat,
+                  scan_layers=model.get("scan_layers", False))
     if model["family"] == "gpt2":
         return GPT2Config(mlp_ratio=model["mlp_ratio"], **common)
-    switches = {name: model.get(name, default) for name, default in MODEL_OPTIONAL["llama"].items()}
+    switches = {name: model.get(name, default) for name, default in MODEL_OPTIONAL["llama"].items()
+                if name != "scan_layers"}
     return LlamaConfig(n_kv_head=model["n_kv_head"], d_ff=model["d_ff"], rope_theta=float(model["rope_theta"]),
                        rope_scaling=model["rope_scaling"], tie_embeddings=model["tie_embeddings"], **switches,
                        **common)
@@ -120,7 +125,7 @@ def _validate_model(config) -> None:
     for name in ("head_dim", "sliding_window"):
         _require(m.get(name) is None or (isinstance(m[name], int) and not isinstance(m[name], bool) and m[name] >= 1),
                  f"config.model.{name} must be None or an integer >= 1, got {m.get(name)!r}")
-    for name in ("qkv_bias", "qk_norm"):
+    for name in ("qkv_bias", "qk_norm", "scan_layers"):
         _require(isinstance(m.get(name, False), bool), f"config.model.{name} must be True or False, got {m.get(name)!r}")
     _require(head_dim is not None or m.d_model % m.n_head == 0,
              f"config.model.d_model ({m.d_model}) must be divisible by config.model.n_head ({m.n_head})")

@@ -494,6 +494,8 @@ def _run_defining(cfg_json: dict) -> dict:
     flat.pop("workdir", None)
     flat.pop("seed", None)
     flat.pop("finetune.init_sha256", None)  # the checkpoint's mechanism checks the init weights (init_weights)
+    if not flat.get("model.scan_layers"):  # False is the layout of runs from before the field: the same run
+        flat.pop("model.scan_layers", None)
     for key in _PATH_FIELDS:
         path = flat.get(key)
         if isinstance(path, str) and path and os.path.exists(os.path.expanduser(path)):
