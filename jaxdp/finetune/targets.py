@@ -7,7 +7,7 @@ family, the projections a target may name and the defaults used when the user na
 | family | LoRA default | adapter default | names a target may take |
 |---|---|---|---|
 | gpt2 | attn/c_attn (q, k, v fused) | attn/c_proj, mlp/c_proj | attn/c_attn, attn/c_proj, mlp/c_fc, mlp/c_proj |
-| llama, mistral, qwen2, qwen3 | attn/q_proj, attn/v_proj | attn/o_proj, mlp/down_proj | attn/{q,k,v,o}_proj, mlp/{gate,up,down}_proj, lm_head (untied heads) |
+| llama, mistral, qwen2, qwen3, gemma2, gemma3_text | attn/q_proj, attn/v_proj | attn/o_proj, mlp/down_proj | attn/{q,k,v,o}_proj, mlp/{gate,up,down}_proj, lm_head (untied heads) |
 
 The LoRA defaults are Hugging Face PEFT's (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`: c_attn for
 GPT-2, q_proj and v_proj for the Llama-style families; Hu et al. 2021 adapt W_q and W_v), so a DP-LoRA run
@@ -20,8 +20,8 @@ the family is refused in one line listing the family's names (`check_targets`). 
 row (a user's own module tree) takes any suffix that matches one of its `jaxdp.core.nn.Linear`s, and has no
 default.
 
-A new family registers its row, nothing else: `register_family("gemma2", LLAMA_STYLE)` (Gemma 2 / 3 name their
-projections like Llama: attn/{q,k,v,o}_proj, mlp/{gate,up,down}_proj).
+A new family registers its row, nothing else: `register_family("myfamily", LLAMA_STYLE)` (a family that names
+its projections like Llama: attn/{q,k,v,o}_proj, mlp/{gate,up,down}_proj, as Gemma 2 / 3 do).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ LLAMA_STYLE = FamilyTargets(lora=("attn/q_proj", "attn/v_proj"), adapter=("attn/
                                    "mlp/up_proj", "mlp/down_proj", "lm_head"))
 # family -> its targets; `register_family` adds a row
 FAMILY_TARGETS: dict[str, FamilyTargets] = {"gpt2": GPT2_STYLE, "llama": LLAMA_STYLE, "mistral": LLAMA_STYLE,
-                                            "qwen2": LLAMA_STYLE, "qwen3": LLAMA_STYLE}
+                                            "qwen2": LLAMA_STYLE, "qwen3": LLAMA_STYLE,
+                                            "gemma2": LLAMA_STYLE, "gemma3_text": LLAMA_STYLE}
 
 
 def register_family(family: str, targets: FamilyTargets) -> None:

@@ -15,6 +15,7 @@ from flax import nnx
 FAMILIES = (
     ("jaxdp.models.gpt2", "GPT2Config", "GPT2"),
     ("jaxdp.models.llama", "LlamaConfig", "Llama"),
+    ("jaxdp.models.gemma", "GemmaConfig", "Gemma"),
 )
 
 
