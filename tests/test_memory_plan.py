@@ -59,3 +59,16 @@ def test_job_refuses_an_unknown_model():
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == ["error: model must be one of ['llama-3.1-8b', 'llama-tiny', "
                                                "'qwen2.5-7b'], got 'gpt5'"]
+
+
+@pytest.mark.parametrize("curve", [lambda B: 10 + 3 * B, lambda B: 10 + 4 * B - 0.02 * B * B,
+                                   lambda B: 10 + 2 * B + 0.2 * B * B])
+def test_verify_pins_the_largest_batch_on_curved_memory(curve):
+    """With `verify`, the row's batch is the largest that fits and the next one is over, also where memory is not
+    affine in B (the fit from B = 1, 2 alone is then off), within the 3 extra compiles."""
+    spec = dataclasses.replace(SPEC, budget_gb=60.0, verify=True)
+    compiled = []
+    row = memory_plan._row("m", "lora", 64, True, lambda B: compiled.append(B) or curve(B), (1, 1), spec)
+    truth = max(B for B in range(1, 100) if curve(B) <= 60.0)
+    assert row.max_batch == truth, (row, compiled)
+    assert len(compiled) <= 5
