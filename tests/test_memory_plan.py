@@ -57,7 +57,7 @@ def test_job_refuses_an_unknown_model():
     out = subprocess.run([sys.executable, "-m", "experiments.finetune_memory_plan", "--models=gpt5", "--target="],
                          capture_output=True, text=True)
     assert out.returncode == 2, out.stderr
-    assert out.stderr.strip().splitlines() == ["error: model must be one of ['llama-3.1-8b', 'llama-tiny', "
+    assert out.stderr.strip().splitlines() == ["error: model must be one of ['gemma-2-9b', 'llama-3.1-8b', 'llama-tiny', "
                                                "'qwen2.5-7b'], got 'gpt5'"]
 
 

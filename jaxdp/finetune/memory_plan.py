@@ -40,7 +40,16 @@ SHAPES = {
     "qwen2.5-7b": lambda **kw: LlamaConfig(
         vocab_size=152064, n_layer=28, n_head=28, n_kv_head=4, d_model=3584, d_ff=18944, rope_theta=1e6,
         rope_scaling=None, rms_norm_eps=1e-6, tie_embeddings=False, qkv_bias=True, family="qwen2", **kw),
+    "gemma-2-9b": lambda **kw: _gemma(
+        vocab_size=256000, n_layer=42, n_head=16, n_kv_head=8, d_model=3584, d_ff=14336, head_dim=256,
+        query_pre_attn_scalar=256.0, sliding_window=4096, attn_softcap=50.0, final_softcap=30.0, family="gemma2",
+        **kw),
 }
+
+
+def _gemma(**kw):
+    from jaxdp.models.gemma import GemmaConfig
+    return GemmaConfig(**kw)
 MESHES = ((8, 1), (4, 2), (2, 4), (1, 8))  # (data, seq) of 8 GPUs, tried in this order
 GB = 1e9
 
