@@ -31,7 +31,8 @@ from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.training import finetune_job
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+          "'<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 WORDS = "the cat sat on a mat and then it ran to see how you are doing today with my dog".split()
 CONVERSATION = {"messages": [{"role": "system", "content": "you are a cat"},
                              {"role": "user", "content": "how are you"},
@@ -95,6 +96,24 @@ def test_the_mask_is_exactly_on_the_assistant_tokens(tokenizer_dir, monkeypatch)
         assert_mask_on_assistant_turns(tokenizer, template, CONVERSATION, planted)
 
 
+def test_generation_blocks_and_a_template_that_rewrites_earlier_turns(tokenizer_dir):
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    tagged = chat.ChatTemplate(CHATML.replace("message['content'] + '<|im_end|>' + '\\n' }}",
+                                              "message['content'] + '<|im_end|>' + '\\n' }}{% generation %}"
+                                              "{% endgeneration %}"))
+    [stored] = instructions.encode_records([CONVERSATION], tokenizer, tagged, max_tokens=200)
+    assert_mask_on_assistant_turns(tokenizer, tagged, CONVERSATION, stored)
+    # the last assistant turn rendered apart from the others (as reasoning templates do): refused, not guessed
+    rewrites = chat.ChatTemplate("{% for m in messages %}{{ m['role'] }}{% if loop.last %}!{% endif %}: "
+                                 "{{ m['content'] }}\n{% endfor %}")
+    with pytest.raises(ValueError, match=r"line 3: the chat template does not render this conversation prefix "
+                                         r"by prefix \(turns \[0, 2\]"):
+        instructions.encode_records([CONVERSATION], tokenizer, rewrites, max_tokens=200, lines=[3])
+    failing = chat.ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="record 0: the chat template fails on this record .*roles must alternate"):
+        instructions.encode_records([CONVERSATION], tokenizer, failing, max_tokens=200)
+
+
 def test_prompt_completion_and_the_plain_template(tokenizer_dir):
     tokenizer = Tokenizer.load(tokenizer_dir)
     pair = {"prompt": "how are you", "completion": " doing today"}
@@ -102,9 +121,10 @@ def test_prompt_completion_and_the_plain_template(tokenizer_dir):
     assert decoded_parts(tokenizer, stored)[:2] == (" doing today</s>", "how are you")
     [plain] = instructions.encode_records([CONVERSATION], tokenizer, None, max_tokens=200)
     counted, context, _ = decoded_parts(tokenizer, plain)
-    assert counted == "the cat sat on a mat</s>it ran to see my dog</s>"
-    assert context == ("System: you are a cat\n\nUser: how are you\n\nAssistant: \n\nUser: and then\n\n"
-                       "Assistant: \n\n")
+    # " the": the header's space and the content's first word are one token, counted (it holds completion text)
+    assert counted == " the cat sat on a mat</s> it ran to see my dog</s>"
+    assert context == ("System: you are a cat\n\nUser: how are you\n\nAssistant:\n\nUser: and then\n\n"
+                       "Assistant:\n\n")
 
 
 @pytest.mark.parametrize("line,needle", [

@@ -6,18 +6,19 @@ A record is one of
                                                           -> every assistant turn counted, the rest context
 
 `segments(record, template)` returns [(text, counted)], in order: what the record's training window is and which
-of its tokens the loss counts (`jaxdp.data.instructions` tokenises each piece on its own, so every token has one
-source; no token straddles a boundary).
+of its characters the loss counts (`jaxdp.data.instructions` tokenises the text between end-of-text tokens whole,
+as inference would, and counts a token when a character of it is counted).
 
 A conversation is rendered with the checkpoint's chat template (`ChatTemplate.from_directory`: the
 `chat_template` of `tokenizer_config.json`, or a `chat_template.jinja` beside it), as Hugging Face
-`apply_chat_template` does (Jinja2 sandbox, `trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`, the
-tokenizer's special tokens as variables; `strftime_now` renders one fixed date, so a record renders the same in
-every run, which a resume checks). Assistant turn i spans the text between the rendering of turns [0, i) with the
-generation prompt and the rendering of turns [0, i]: its content and the template's end-of-turn text are
-counted, the generation prompt (e.g. "<|im_start|>assistant\\n") is context. A template that does not render a
-conversation prefix by prefix (the rendering of turns [0, i] is not the start of the whole) is refused for that
-record: the counted tokens would not be the ones trained on.
+`apply_chat_template` does (Jinja2 sandbox, `trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`,
+`{% generation %}` blocks, the tokenizer's special tokens as variables; `strftime_now` renders one fixed
+date, so a record renders the same in every run, which a resume checks). Assistant turn i spans the text
+between the rendering of turns [0, i) with the generation prompt and the rendering of turns [0, i]: its
+content and the template's end-of-turn text are counted, the generation prompt (e.g.
+"<|im_start|>assistant\n") is context. A template that does not render a conversation prefix by prefix (the
+rendering of turns [0, i] is not the start of the whole) is refused for that record: the counted tokens would
+not be the ones trained on.
 
 Without a template, the documented plain one (`PLAIN_HEADERS`): each turn is `"<Role>: "` and its content; a
 system or user turn ends with a blank line, an assistant turn's content is followed by the end-of-text token
@@ -98,7 +99,7 @@ def check_jinja() -> None:
 def _compiled(source: str):
     if source not in _CACHE:
         check_jinja()
-        from jinja2 import exceptions, ext, sandbox
+        from jinja2 import exceptions, ext, nodes, sandbox
 
         def raise_exception(message):
             raise exceptions.TemplateError(message)
@@ -107,8 +108,19 @@ def _compiled(source: str):
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                               sort_keys=sort_keys)
 
+        class Generation(ext.Extension):  # HF's {% generation %} ... {% endgeneration %}: rendered as is
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+            def _body(self, caller):
+                return caller()
+
         env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                    extensions=[ext.loopcontrols])
+                                                    extensions=[ext.loopcontrols, Generation])
         env.filters["tojson"] = tojson
         env.globals.update(raise_exception=raise_exception, strftime_now=_FIXED_NOW.strftime)
         try:

@@ -87,26 +87,42 @@ def read_records(path, id_field: str | None = None) -> tuple[list[dict], list[st
 
 def encode_records(records: Sequence[dict], tokenizer: Tokenizer, template: ChatTemplate | None, *,
                    max_tokens: int, lines: Sequence[int] | None = None) -> list[np.ndarray]:
-    """Each record's stored tokens (int32: counted ids, `as_context` ids), each piece tokenised on its own.
-    ValueError naming the line (`lines[i]`, else the record's index) for a record longer than `max_tokens`
-    or one whose template fails."""
+    """Each record's stored tokens (int32: counted ids, `as_context` ids).
+
+    The rendered text between end-of-text tokens is tokenised whole (as it would be at inference), and a
+    token is counted when any of its characters lies in a counted piece (`jaxdp.data.chat.segments`; a token
+    straddling a boundary is rare: templates end a header with a newline or a special token). ValueError
+    naming the line (`lines[i]`, else the record's index) for a record longer than `max_tokens` or one whose
+    template fails."""
     where = [f"line {n}" for n in lines] if lines is not None else [f"record {i}" for i in range(len(records))]
-    pieces = []
+    runs = []  # per record: [(text, per-character counted flags, eot after it: None / counted)]
     for i, record in enumerate(records):
         try:
-            pieces.append(segments(record, template))
+            pieces = segments(record, template)
         except ValueError as e:
             raise ValueError(f"{where[i]}: {e}") from None
-    texts = [text for parts in pieces for text, _ in parts if text is not EOT and text]
-    encoded = iter(tokenizer.encode_batch(texts))
+        record_runs, texts, flags = [], [], []
+        for text, counted in pieces + [(None, None)]:
+            if text is EOT or text is None:
+                record_runs.append(("".join(texts), np.concatenate(flags) if flags else np.zeros(0, bool),
+                                    counted if text is EOT else None))
+                texts, flags = [], []
+            else:
+                texts.append(text)
+                flags.append(np.full(len(text), counted, bool))
+        runs.append(record_runs)
+    encoded = iter(tokenizer.encode_batch_offsets([text for record_runs in runs for text, _, _ in record_runs]))
     out = []
-    for i, parts in enumerate(pieces):
+    for i, record_runs in enumerate(runs):
         chunks = []
-        for text, counted in parts:
-            if text is not EOT and not text:
-                continue
-            ids = np.asarray([tokenizer.eot_id] if text is EOT else next(encoded), np.int64)
-            chunks.append(ids if counted else as_context(ids))
+        for text, flags, eot in record_runs:
+            ids, offsets = next(encoded)
+            counted = np.array([flags[s:e].any() if e > s else bool(flags[min(s, len(flags) - 1)])
+                                for s, e in offsets], bool) if ids else np.zeros(0, bool)
+            ids = np.asarray(ids, np.int64)
+            chunks.append(np.where(counted, ids, as_context(ids)))
+            if eot is not None:
+                chunks.append(np.asarray([tokenizer.eot_id if eot else -2 - tokenizer.eot_id], np.int64))
         tokens = np.concatenate(chunks).astype(np.int32)
         if tokens.size > max_tokens:
             raise ValueError(f"{where[i]}: the record is {tokens.size} tokens, more than one window of "

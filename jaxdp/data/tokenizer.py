@@ -63,6 +63,10 @@ class Tokenizer:
         fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return [e.ids for e in fast(list(texts), add_special_tokens=False)]
 
+    def encode_batch_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """`encode_batch` with each token's (start, end) character offsets in its text."""
+        return [(e.ids, e.offsets) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`; negative ids (`jaxdp.data.windows.PAD`, a padded window's tail) are skipped."""
         return self._tok.decode([int(i) for i in ids if int(i) >= 0], skip_special_tokens=False)

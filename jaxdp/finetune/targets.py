@@ -4,10 +4,10 @@ A model's family is `model.config.family` (the HF `model_type`: "llama", "mistra
 whatever a new model's config names), or "gpt2" for `jaxdp.models.gpt2.GPT2`. `FAMILY_TARGETS` holds, per
 family, the projections a target may name and the defaults used when the user names none:
 
-| family | LoRA default | adapter default | names a target may take |
-|---|---|---|---|
-| gpt2 | attn/c_attn (q, k, v fused) | attn/c_proj, mlp/c_proj | attn/c_attn, attn/c_proj, mlp/c_fc, mlp/c_proj |
-| llama, mistral, qwen2, qwen3, gemma2, gemma3_text | attn/q_proj, attn/v_proj | attn/o_proj, mlp/down_proj | attn/{q,k,v,o}_proj, mlp/{gate,up,down}_proj, lm_head (untied heads) |
+  gpt2                          LoRA: attn/c_attn (q, k, v fused); adapters: attn/c_proj, mlp/c_proj;
+                                names: attn/c_attn, attn/c_proj, mlp/c_fc, mlp/c_proj
+  llama, mistral, qwen2, qwen3  LoRA: attn/q_proj, attn/v_proj; adapters: attn/o_proj, mlp/down_proj;
+                                names: attn/{q,k,v,o}_proj, mlp/{gate,up,down}_proj, lm_head (untied heads)
 
 The LoRA defaults are Hugging Face PEFT's (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`: c_attn for
 GPT-2, q_proj and v_proj for the Llama-style families; Hu et al. 2021 adapt W_q and W_v), so a DP-LoRA run
