@@ -21,6 +21,8 @@ from flax import nnx
 
 from jaxdp.accounting import accountant as accounting
 from jaxdp.clipping import norms as norms_lib
+from jaxdp.models.gemma import FAMILIES as GEMMA_FAMILIES
+from jaxdp.models.gemma import Gemma, GemmaConfig
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.models.remat import REMAT_POLICIES
@@ -36,7 +38,7 @@ class ConfigError(ValueError):
 
 # ------------------------------------------------------------------ the model family
 
-MODEL_FAMILIES = ("gpt2", "llama")
+MODEL_FAMILIES = ("gpt2", "llama", *GEMMA_FAMILIES)
 PRIVACY_UNITS = ("window", "document", "user")
 NOISE_MECHANISMS = ("dpsgd", "bandmf", "auto")  # config.dp.mechanism (`jaxdp.training.noise_choice`)
 
@@ -52,11 +54,20 @@ MODEL_FIELDS = {
 MODEL_OPTIONAL = {"gpt2": {"scan_layers": False},
                   "llama": {"head_dim": None, "qkv_bias": False, "qk_norm": False, "sliding_window": None,
                             "scan_layers": False}}
+# Gemma 2 / 3 (`jaxdp.models.gemma`, family "gemma2" | "gemma3_text"): every field of its `GemmaConfig` but the
+# compute settings (seq_len as max_seq_len), all set by fine-tuning from the checkpoint's config.json.
+GEMMA_FIELDS = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "head_dim", "max_seq_len", "query_pre_attn_scalar",
+                "rope_theta", "rope_local_theta", "rope_scaling", "rms_norm_eps", "sliding_window", "layer_types",
+                "attn_softcap", "final_softcap", "qk_norm", "tie_embeddings")
+MODEL_FIELDS.update({family: GEMMA_FIELDS for family in GEMMA_FAMILIES})
+MODEL_OPTIONAL.update({family: {} for family in GEMMA_FAMILIES})
 
 
 def model_config(model: Mapping, vocab_size: int, *, dtype: str,
                  remat: bool | str) -> GPT2Config | LlamaConfig:
     """The `GPT2Config` / `LlamaConfig` of `config.model` (a ConfigDict, or its dict from config.json)."""
+    if model["family"] in GEMMA_FAMILIES:
+        return gemma_config(model, vocab_size, dtype=dtype, remat=remat)
     common = dict(vocab_size=vocab_size, seq_len=model["max_seq_len"], n_layer=model["n_layer"],
                   n_head=model["n_head"], d_model=model["d_model"], dtype=dtype, remat=remat,
                   scan_layers=model.get("scan_layers", False))
@@ -69,9 +80,16 @@ def model_config(model: Mapping, vocab_size: int, *, dtype: str,
                        **common)
 
 
+def gemma_config(model: Mapping, vocab_size: int, *, dtype: str, remat: bool | str) -> GemmaConfig:
+    """The `GemmaConfig` of a gemma2 / gemma3_text `config.model`; ValueError for a bad field."""
+    fields = {name: model[name] for name in GEMMA_FIELDS if name != "max_seq_len"}
+    return GemmaConfig(vocab_size=vocab_size, seq_len=model["max_seq_len"], family=model["family"], dtype=dtype,
+                       remat=remat, **fields)
+
+
 def build_model(config: GPT2Config | LlamaConfig, seed: int) -> nnx.Module:
     """A freshly initialised `GPT2` or `Llama`; `seed`: any int >= 0 (`jaxdp.noise.draws.key_from_seed`)."""
-    cls = GPT2 if isinstance(config, GPT2Config) else Llama
+    cls = GPT2 if isinstance(config, GPT2Config) else Gemma if isinstance(config, GemmaConfig) else Llama
     return cls(config, rngs=nnx.Rngs(noise_lib.key_from_seed(seed)))
 
 
@@ -115,6 +133,15 @@ def _validate_model(config) -> None:
                           f"(start from experiments/configs/{'default' if family == 'gpt2' else 'llama_tiny'}.py)")
     extra = sorted(set(m.keys()) - set(fields) - set(MODEL_OPTIONAL[family]) - {"family"})
     _require(not extra, f"config.model.{{{', '.join(extra)}}} does not apply to config.model.family={family!r}")
+    if family in GEMMA_FAMILIES:  # GemmaConfig checks its fields; the run's windows must fit its positions
+        try:
+            gemma_config(m, 1, dtype="float32", remat=False)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"config.model: {e}") from None
+        _require(config.seq_len <= m.max_seq_len,
+                 f"config.seq_len ({config.seq_len}) is longer than the model's maximum sequence "
+                 f"length config.model.max_seq_len ({m.max_seq_len})")
+        return
     for name in fields:
         if name not in ("rope_theta", "rope_scaling", "tie_embeddings"):
             _positive_int(config, f"model.{name}")

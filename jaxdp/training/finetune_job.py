@@ -3,8 +3,8 @@
 `prepare(config)` (config: `experiments/configs/finetune.py`) resolves
 `config.finetune.init`, a run directory of `experiments.pretrain_gpt2` or a
 local Hugging Face checkpoint directory (GPT-2, or Llama, Mistral, Qwen2, Qwen3:
-`jaxdp.models.hf_checkpoint.MODEL_TYPES`, the latter four as `config.model.family`
-"llama" with their switches), into the run's model
+`jaxdp.models.hf_checkpoint.MODEL_TYPES`, these four as `config.model.family`
+"llama" with their switches; Gemma 2 / 3 text as "gemma2" / "gemma3_text"), into the run's model
 shape (`config.model`) and tokenizer (`config.data.tokenizer`, the one the
 weights were trained with: the init run's `tokenizer/`, "gpt2" for HF GPT-2
 weights, the checkpoint directory's `tokenizer.json` for Llama), checks the
@@ -42,7 +42,8 @@ from jaxdp.data import windows as data_lib
 from jaxdp.finetune import methods as finetune
 from jaxdp.finetune import settings as finetune_settings
 from jaxdp.finetune import targets as family_targets
-from jaxdp.models import hf_checkpoint, hf_gpt2, hf_llama
+from jaxdp.models import hf_checkpoint, hf_gemma, hf_gpt2, hf_llama
+from jaxdp.models.gemma import GemmaConfig
 from jaxdp.models.llama import LlamaConfig
 from jaxdp.noise import draws as noise_lib
 from jaxdp.noise import seeds
@@ -114,15 +115,19 @@ def _init_model_and_tokenizer(init: str, kind: str) -> tuple[dict, str]:
         family = hf.get("model_type")
         if family not in HF_FAMILIES:
             raise ValueError(f"{source}: model_type must be one of {HF_FAMILIES}, got {family!r}")
-        c = (hf_gpt2 if family == "gpt2" else hf_llama).config_from_hf(hf, source)
+        reader = hf_gpt2 if family == "gpt2" else hf_gemma if family in config_lib.GEMMA_FAMILIES else hf_llama
+        c = reader.config_from_hf(hf, source)
     except (OSError, ValueError) as e:
         raise ConfigError(f"config.finetune.init: {e}") from None
     if family == "gpt2":
         return {"family": "gpt2", "n_layer": c.n_layer, "n_head": c.n_head, "d_model": c.d_model,
                 "mlp_ratio": c.mlp_ratio, "max_seq_len": c.seq_len}, "gpt2"
     if not (path / "tokenizer.json").is_file():
-        raise ConfigError(f"config.finetune.init {init!r}: a Llama checkpoint needs the tokenizer it was trained with "
-                          "as tokenizer.json (HF's fast tokenizer, saved beside the weights)")
+        raise ConfigError(f"config.finetune.init {init!r}: a {family} checkpoint needs the tokenizer it was trained "
+                          "with as tokenizer.json (HF's fast tokenizer, saved beside the weights)")
+    if isinstance(c, GemmaConfig):
+        fields = {name: getattr(c, name) for name in config_lib.GEMMA_FIELDS if name != "max_seq_len"}
+        return dict(fields, family=c.family, max_seq_len=c.seq_len, layer_types=list(c.layer_types)), str(path.resolve())
     return {"family": "llama", "n_layer": c.n_layer, "n_head": c.n_head, "n_kv_head": c.n_kv_head,
             "d_model": c.d_model, "d_ff": c.d_ff, "max_seq_len": c.seq_len, "rope_theta": c.rope_theta,
             "rope_scaling": c.rope_scaling, "tie_embeddings": c.tie_embeddings, "head_dim": c.head_dim,
@@ -170,7 +175,8 @@ def resolve(config):
 def _pretrained(init: str, kind: str, model_config) -> nnx.Module:
     """The model of `init` with the compute settings (dtype, remat) of `model_config`."""
     if kind == "hf":
-        load = hf_llama.load_hf_llama if isinstance(model_config, LlamaConfig) else hf_gpt2.load_hf_gpt2
+        load = (hf_llama.load_hf_llama if isinstance(model_config, LlamaConfig) else hf_gemma.load_hf_gemma
+                if isinstance(model_config, GemmaConfig) else hf_gpt2.load_hf_gpt2)
         return load(init, dtype=model_config.dtype, remat=model_config.remat)
     path = pathlib.Path(init).expanduser()
     model = config_lib.build_model(model_config, 0)  # overwritten by the run's parameters
