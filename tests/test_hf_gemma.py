@@ -402,3 +402,21 @@ def test_gemma_config_checks_and_save_layouts(tmp_path):
     again = jaxdp.load_hf(tmp_path / "fresh")
     tokens = PROMPT[:, :8] % VOCAB
     np.testing.assert_array_equal(logits_of(again, tokens), logits_of(fresh, tokens))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_context_parallel_forward_equals_plain(tmp_path, family):
+    """Sequence sharded over 4 devices (keys and values all-gathered, masks and RoPE on global positions): the
+    logits of the plain model, for the soft-capped attention (Gemma 2) and the shared one (Gemma 3)."""
+    from jax.sharding import PartitionSpec as P
+
+    model, _, _ = load(tmp_path, family, seed=15)
+    mesh = jax.make_mesh((4,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
+    graphdef, state = nnx.split(model)
+
+    def shard(state, tokens):
+        return nnx.merge(graphdef, state)(tokens, seq_axis="seq")
+
+    sharded = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(None, "seq")), out_specs=P(None, "seq")))
+    tokens = jnp.asarray(PROMPT[:, :16])
+    np.testing.assert_allclose(sharded(state, tokens), logits_of(model, tokens), rtol=1e-5, atol=1e-5)
