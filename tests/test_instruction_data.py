@@ -162,10 +162,10 @@ def test_the_loss_counts_the_completion_targets_only(tokenizer_dir):
     windows[3] = windows[0]
     batch = {"tokens": windows, "mask": np.array([True, True, True, False])}
     model = tiny_llama(3, vocab_size=tokenizer.vocab_size, seq_len=128)
-    got = np.asarray(instruction_losses(model, batch), np.float64)
+    got = np.asarray(nnx.jit(instruction_losses)(model, batch), np.float64)
 
     ids = instructions.token_ids(windows)
-    logits = np.asarray(model(np.maximum(ids[:, :-1], 0)), np.float64)
+    logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, np.maximum(ids[:, :-1], 0)), np.float64)
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     counted = instructions.counted_targets(windows)
@@ -173,7 +173,7 @@ def test_the_loss_counts_the_completion_targets_only(tokenizer_dir):
                      for b in range(4)])
     tol = 20 * np.finfo(np.float32).eps * np.abs(want).max()
     np.testing.assert_allclose(got, want, rtol=0, atol=tol)
-    everything = np.asarray(lm_losses(model, {"tokens": np.where(windows <= -2, -2 - windows, windows),
+    everything = np.asarray(nnx.jit(lm_losses)(model, {"tokens": np.where(windows <= -2, -2 - windows, windows),
                                               "mask": batch["mask"]}))
     assert np.abs(everything - want).max() > 1e3 * tol  # the loss on every target (a planted error) differs
 
