@@ -139,11 +139,11 @@ def test_the_job_passes_its_tripwires_and_a_planted_change_fails_it(hf_init, tmp
     real = finetune_checks.final_model
 
     def planted(p):  # a frozen leaf of the final state changed (what an update reaching it would do)
-        loaded, trained, step = real(p)
+        before, trained, step = real(p)
         path, var = first_leaf(trained, nn.Frozen)
         var.set_value(var.get_value() * 1.5)
         planted.path = "/".join(map(str, path))
-        return loaded, trained, step
+        return before, trained, step
     monkeypatch.setattr(finetune_checks, "final_model", planted)
     capsys.readouterr()
     assert finetune_main.main([]) == 1  # the rerun of the finished run: checked again
