@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from dp_testing import random_model
 from flax import nnx
-from test_finetune_families import SETTINGS, corpus_and_tokenizer, flat  # noqa: F401 (the fixture _run asks for)
+from job_testing import with_settings, write_tiny_corpus
 
 from experiments.configs import finetune as finetune_config
 from jaxdp import training
@@ -23,13 +23,39 @@ from jaxdp.models.hf import save_hf
 from jaxdp.training import config as config_lib
 from jaxdp.training import finetune_job, run_dir
 
+SETTINGS = {"seed": 0, "steps": 2, "checkpoint_every": 2, "log_every": 1, "eval_every": 2, "eval_windows": 8,
+            "eval_batch_size": 8, "batch_size": 8, "seq_len": 32, "learning_rate": 1e-2, "warmup_steps": 1,
+            "data.validation_fraction": 0.2, "finetune.rank": 4, "finetune.accuracy_examples": 0,
+            "finetune.loss_after": ""}
 FAMILY = {"gemma2": dict(attn_softcap=5.0, final_softcap=3.0),
           "gemma3_text": dict(attn_softcap=None, final_softcap=None, qk_norm=True, rope_theta=1e6, rope_scaling=4.0,
                               layer_types=("sliding_attention", "full_attention"))}
 
 
-def _run(request, tmp_path, family, method):
-    corpus, tokenizer_dir = request.getfixturevalue("corpus_and_tokenizer")
+@pytest.fixture(scope="module")
+def corpus_and_tokenizer(tmp_path_factory):
+    """A tiny real-text corpus and a byte-level BPE tokenizer.json trained on it, as HF saves one."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    d = tmp_path_factory.mktemp("corpus")
+    corpus = write_tiny_corpus(d)
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    docs = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    return corpus, d
+
+
+def flat(model, kind):
+    return {tuple(k): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, kind))}
+
+
+def _run(corpus_and_tokenizer, tmp_path, family, method):
+    corpus, tokenizer_dir = corpus_and_tokenizer
     hf_dir = tmp_path / family
     hf_dir.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -40,16 +66,9 @@ def _run(request, tmp_path, family, method):
     checkpoint = random_model(lambda: Gemma(config, rngs=nnx.Rngs(0)), seed=1)
     save_hf(checkpoint, hf_dir)
 
-    c = finetune_config.get_config()
-    settings = dict(SETTINGS, workdir=str(tmp_path / "run"), **{"data.path": str(corpus), "finetune.init": str(hf_dir),
-                                                                "data.cache_dir": str(tmp_path / "cache"),
-                                                                "finetune.method": method})
-    for key, value in settings.items():
-        *parents, leaf = key.split(".")
-        node = c
-        for part in parents:
-            node = node[part]
-        setattr(node, leaf, value)
+    c = with_settings(finetune_config.get_config(), dict(SETTINGS, workdir=str(tmp_path / "run")),
+                      {"data.path": str(corpus), "finetune.init": str(hf_dir), "data.cache_dir": str(tmp_path / "cache"),
+                       "finetune.method": method})
     p = finetune_job.prepare(c)
     assert p.config.model.family == family
     assert dict(p.model_config.__dict__, dtype=None, remat=None) == dict(config.__dict__, dtype=None, remat=None)
@@ -63,8 +82,8 @@ def _run(request, tmp_path, family, method):
     return checkpoint, before, after
 
 
-def test_gemma2_checkpoint_trains_dp_lora(request, tmp_path):
-    checkpoint, before, after = _run(request, tmp_path, "gemma2", "lora")
+def test_gemma2_checkpoint_trains_dp_lora(corpus_and_tokenizer, tmp_path):
+    checkpoint, before, after = _run(corpus_and_tokenizer, tmp_path, "gemma2", "lora")
     weights, frozen = flat(checkpoint, nnx.Param), flat(after, nn.Frozen)
     assert len(frozen) == len(weights) and ("blocks", 1, "post_feedforward_layernorm", "scale") in frozen
     for path, value in frozen.items():  # bit for bit the checkpoint's
@@ -74,8 +93,8 @@ def test_gemma2_checkpoint_trains_dp_lora(request, tmp_path):
     assert all(not np.array_equal(trained[k], initial[k]) for k in trained if k[-2] == "lora_b")
 
 
-def test_gemma3_checkpoint_trains_full(request, tmp_path):
-    checkpoint, _, after = _run(request, tmp_path, "gemma3_text", "full")
+def test_gemma3_checkpoint_trains_full(corpus_and_tokenizer, tmp_path):
+    checkpoint, _, after = _run(corpus_and_tokenizer, tmp_path, "gemma3_text", "full")
     weights, trained = flat(checkpoint, nnx.Param), flat(after, nnx.Param)
     assert trained.keys() == weights.keys() and ("blocks", 0, "attn", "q_norm", "scale") in trained
     assert not flat(after, nn.Frozen)
@@ -95,8 +114,8 @@ def test_gemma_config_model_is_checked():
         config_lib._validate_model(c)
 
 
-def test_gemma3_checkpoint_trains_dp_adapters(request, tmp_path):
-    checkpoint, _, after = _run(request, tmp_path, "gemma3_text", "adapter")
+def test_gemma3_checkpoint_trains_dp_adapters(corpus_and_tokenizer, tmp_path):
+    checkpoint, _, after = _run(corpus_and_tokenizer, tmp_path, "gemma3_text", "adapter")
     weights, frozen, trained = flat(checkpoint, nnx.Param), flat(after, nn.Frozen), flat(after, nnx.Param)
     assert trained and {path[-3] for path in trained if path[-1] != "scale"} == {"adapter"}, sorted(trained)
     assert len(frozen) + len([p for p in trained if p[-1] == "scale"]) == len(weights)  # norms train (Houlsby)
