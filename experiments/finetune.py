@@ -48,7 +48,7 @@ def _print_summary(s: dict, workdir: str, method: str) -> None:
         f"  method           {method}   trainable params {s['num_params']:,}",
         f"  steps            {s['steps']}",
         "  tripwires        passed (frozen weights as loaded, trainable ones moved"
-        + (", LoRA merge exact)" if "lora_merge" in s.get("tripwires", {}) else ")"),
+        + (", the LoRA merge gives the same logits)" if "lora_merge" in s.get("tripwires", {}) else ")"),
         f"  train loss       {fmt(s['train_loss'])}",
         f"  val loss         {fmt(s['val_loss'])}  (before fine-tuning {fmt(s['initial_val_loss'])})",
         f"  epsilon          {fmt(s['epsilon'], '.4g')}" + (f"  (delta {s['delta']:.3g})" if s["dp"]
@@ -83,7 +83,7 @@ def main(argv):
     accuracy = finetune_job.add_accuracy(prepared)
     if accuracy is not None:
         summary["heldout_accuracy"] = accuracy
-    try:  # frozen weights as loaded, trainable ones moved, the LoRA merge exact: else a loud failure
+    try:  # frozen weights as loaded, trainable ones moved, the LoRA merge reproduces the model: else a loud failure
         summary["tripwires"] = finetune_checks.run_tripwires(prepared)
     except finetune_checks.TripwireError as e:
         print(f"error: tripwire failed: {e} (the run's outputs in {config.workdir} are kept; summary.json "
