@@ -5,6 +5,7 @@
     python -m experiments.audit --config.audit.kind=white_box --config.audit.bug=no_clipping
     python -m experiments.audit --config.audit.max_windows=1024 --config.dp.noise_multiplier=0
     python -m experiments.audit --config.audit.record_in=/tmp/jaxdp_run   # bound into the run's privacy.json
+    python -m experiments.audit --config.audit.kind=white_box --config.dp.mechanism=bandmf --config.dp.bands=2
 
 Black box: m random-token sequences, each added to the default config's
 training windows with probability 1/2; one DP-Adam run of `config.steps`
@@ -15,7 +16,12 @@ the config's clipping, clip_fn, secure_noise and accountant, the claim is the
 accountant's epsilon (default 2: a claim of 8 is beyond what 1,000 canaries can
 ever show, the "max attainable" line) and the audit's 95% lower bound must not
 exceed it; one that does is evidence of a bug (exit status 1). A bound below the
-claim proves nothing. The logic lives in `jaxdp.auditing.bound` and `jaxdp.auditing.runs`.
+claim proves nothing. The white box also audits the correlated-noise mechanisms
+(`config.dp.mechanism` "bandmf" or "blt" with `config.dp.bands`: BandMF's
+bands or BLT's min separation, the strategy optimised for the audit's steps;
+BLT needs the extra jaxdp[mf]): its records are then sampled cyclically and the
+claim is that mechanism's epsilon. The logic lives in `jaxdp.auditing.bound`
+and `jaxdp.auditing.runs`.
 """
 
 import os
@@ -51,7 +57,8 @@ def _black_box(config):
         num_canaries=config.audit.num_canaries, steps=config.steps, batch_size=config.batch_size,
         learning_rate=config.learning_rate, overflow=config.dp.overflow, bug=config.audit.bug,
         confidence=config.audit.confidence)
-    return audit_runs.black_box_audit(model, windows, tokenizer.vocab_size, settings=settings, claim=_claim(config),
+    return audit_runs.black_box_audit(model, windows, tokenizer.vocab_size, settings=settings,
+                                      claim=_claim(config, config.steps),
                                       seed=config.seed, progress=progress), \
         f"{n} windows, {config.model.family} d={config.model.d_model}"
 
@@ -67,12 +74,37 @@ def _mechanism(config) -> dict:
     return dict(clipping=dp.clipping, clip_fn=dp.clip_fn, secure_noise=dp.secure_noise, accountant=config.accountant)
 
 
-def _claim(config):
-    """The audited run's DP step and claim (`jaxdp.auditing.settings.Claim`)."""
+def _recorded_mechanism(config) -> dict:
+    """`_mechanism` and, for correlated noise, its name as the run's receipt has it."""
+    noise = config.dp.get("mechanism", "dpsgd")
+    return {**_mechanism(config), **({} if noise == "dpsgd" else {"noise_mechanism": noise})}
+
+
+def _noise(config, steps: int) -> dict:
+    """The audited run's noise mechanism for `steps` audited steps, as `Claim` fields."""
+    from jaxdp.noise import strategies
+    dp = config.dp
+    kind, bands = dp.get("mechanism", "dpsgd"), dp.get("bands")
+    if kind == "dpsgd":
+        return {}
+    if kind not in ("bandmf", "blt") or not bands:
+        raise ValueError(f"config.dp.mechanism must be 'dpsgd', or 'bandmf' / 'blt' with config.dp.bands >= 1, for "
+                         f"an audit (the planner's choice is not audited), got {kind!r} with bands {bands!r}")
+    if kind == "bandmf":
+        return {"noise_mechanism": strategies.bandmf(steps, bands)}
+    try:
+        blt = strategies.blt(steps, dp.get("blt_buffers", 3), bands, None)
+    except ImportError as e:
+        raise ValueError(f"config.dp.mechanism='blt': {e}") from e
+    return {"noise_mechanism": blt, "cycle_length": bands}
+
+
+def _claim(config, steps: int):
+    """The audited run's DP step and claim (`jaxdp.auditing.settings.Claim`) over `steps` audited steps."""
     from jaxdp.auditing.settings import Claim
     dp = config.dp
     return Claim(target_epsilon=dp.target_epsilon, noise_multiplier=dp.noise_multiplier, delta=dp.delta,
-                 l2_norm_clip=dp.l2_norm_clip, **_mechanism(config))
+                 l2_norm_clip=dp.l2_norm_clip, **_mechanism(config), **_noise(config, steps))
 
 
 def _white_box(config):
@@ -81,7 +113,7 @@ def _white_box(config):
         num_canaries=config.audit.num_canaries, num_examples=config.audit.white_box_examples,
         steps=config.audit.white_box_steps, sampling_probability=config.audit.white_box_sampling_rate,
         bug=config.audit.bug, confidence=config.audit.confidence)
-    result = audit_runs.white_box_audit(settings=settings, claim=_claim(config), seed=config.seed)
+    result = audit_runs.white_box_audit(settings=settings, claim=_claim(config, settings.steps), seed=config.seed)
     return result, f"{config.audit.white_box_examples} synthetic records, softmax regression"
 
 
@@ -94,7 +126,7 @@ def main(argv):
     try:  # before the audit: a bad config or record_in must not cost a whole run
         audit_runs.check_audit_config(config)
         if config.audit.record_in is not None:
-            receipt.check_recordable(receipt.audit_target(config.audit.record_in), _mechanism(config),
+            receipt.check_recordable(receipt.audit_target(config.audit.record_in), _recorded_mechanism(config),
                                      bug=config.audit.bug, delta=config.dp.delta,
                                      claim=None if config.dp.noise_multiplier is not None else config.dp.target_epsilon)
             receipt.audit_on_run_data(config.audit.record_in, _data(config), seed_pinned=config.seed is not None)

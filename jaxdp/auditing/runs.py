@@ -11,11 +11,25 @@ form next to the data's per-example gradients. Each canary is in the dataset
 with probability 1/2, and, like every data record, Poisson-sampled into each
 step with probability q. The score of a canary is the inner product of its
 CLIPPED gradient with the total parameter change, sign-flipped so that
-"trained on" scores high (`jaxdp.auditing.bound.gradient_scores`).
+"trained on" scores high (`jaxdp.auditing.bound.gradient_scores`). Under a
+correlated noise mechanism the change is the steps' updates weighted by the
+column sums of its strategy C over the audited steps, w = C^T 1 (w = 1 for
+DP-SGD: the total change): that is 1^T C applied to the sequence of released
+updates, whose noise C x = z is white, a post-processing of what the step
+releases, which its guarantee covers (the total change alone would see the
+canary through C^{-1}'s correlated noise, a weaker test).
 
 The run claims epsilon = `jaxdp.accounting.epsilon(sigma, q, steps, delta)`
 (PLD unless `accountant="rdp"`); clipping, clip_fn and secure_noise are the
 audited run's (`jaxdp.fused_clip`'s arguments): together they are the `Claim`.
+A claim with a correlated noise mechanism (`Claim.noise_mechanism`: BandMF, BLT)
+runs that mechanism's noise in the step and samples like the runs it is
+accounted for: every record (data and canary) gets a uniform group of
+`Claim.cycle_length`, drawn once, and step t samples group t mod b at rate q;
+the claim is the epsilon `jaxdp.accounting.mechanisms` gives that record
+(amplified BandMF; BLT as one Gaussian release of its min-separation
+sensitivity). BLT's noise is `fused_clip` with no noise followed by its
+`GaussianPrivatizer` (the std of `Claim.noise_std`), as a library user runs it.
 How each audit runs is its `WhiteBoxSettings` / `BlackBoxSettings`
 (`jaxdp.auditing.settings`), whose `bug` plants a privacy bug the claim does
 not know about, to show that the audit can fail:
@@ -54,7 +68,9 @@ from jaxdp.core import nn
 from jaxdp.core.losses import lm_losses
 from jaxdp.core.per_example import per_example_grads
 from jaxdp.core.terms import DenseTerm, FactoredGrad, LinearTerm, is_factored
+from jaxdp.noise import strategies
 from jaxdp.noise.draws import noise_key_from_seed
+from jaxdp.noise.privatizer import GaussianPrivatizer
 from jaxdp.noise.seeds import derive_seed, secret_seed
 from jaxdp.sampling.poisson import PoissonSampler
 
@@ -110,16 +126,25 @@ def _with_canaries(grads, x_M1P, g_M1D):
     return jax.tree.map(extend, grads, is_leaf=is_factored)
 
 
-def _privatizer(claim: Claim, bug: str, noise_multiplier: float, *, expected_batch_size: float, key):
-    """fused_clip as the audited run has it (`claim`'s C, clipping, clip_fn, secure_noise), with `bug` planted."""
+def _privatizer(claim: Claim, bug: str, noise_multiplier: float, *, expected_batch_size: float, key,
+                noise_std: float | None = None):
+    """fused_clip as the audited run has it (`claim`'s C, clipping, clip_fn, secure_noise, noise mechanism),
+    with `bug` planted. BLT: fused_clip's clipped sum, then the privatizer's noise of std `noise_std`."""
+    l2_norm_clip = claim.l2_norm_clip * (_NO_CLIP_FACTOR if bug == "no_clipping" else 1)
+    if claim.noise_kind == "blt":
+        std = noise_std / (2 if bug == "half_noise" else 1)
+        privatizer = GaussianPrivatizer(std, expected_batch_size, bool(claim.secure_noise), claim.noise_mechanism)
+        return optax.chain(fused_clip(l2_norm_clip, 0.0, expected_batch_size=1.0, clip=claim.clip),
+                           privatizer.transform(key))
     kw = dict(expected_batch_size=expected_batch_size, key=key, secure_noise=bool(claim.secure_noise),
               clip=claim.clip)
-    l2_norm_clip = claim.l2_norm_clip
+    if claim.noise_kind != "dpsgd":
+        kw["mechanism"] = claim.noise_mechanism
     if bug == "none":
         return fused_clip(l2_norm_clip, noise_multiplier, **kw)
     if bug == "half_noise":
         return fused_clip(l2_norm_clip, noise_multiplier / 2, **kw)
-    return fused_clip(l2_norm_clip * _NO_CLIP_FACTOR, noise_multiplier / _NO_CLIP_FACTOR, **kw)
+    return fused_clip(l2_norm_clip, noise_multiplier / _NO_CLIP_FACTOR, **kw)
 
 
 def _check_types(settings, settings_cls, claim) -> None:
@@ -163,12 +188,16 @@ def white_box_audit(*, settings: WhiteBoxSettings = WhiteBoxSettings(), claim: C
     x_NP = rng.normal(size=(n, side)).astype(np.float32) / np.sqrt(side)
     y_N = np.argmax(x_NP @ rng.normal(size=(side, side)), axis=1).astype(np.int32)
     model = _SoftmaxRegression(side, side, rngs=nnx.Rngs(int(rng.integers(2**31))))
-    expected_batch_size = q * (n + m / 2)
+    b = claim.cycle_length  # 1: Poisson sampling of every record each step (no group drawn)
+    group_N, group_M = (rng.integers(b, size=n), rng.integers(b, size=m)) if b > 1 else (0, 0)
+    expected_batch_size = q * (n + m / 2) / b
     key = noise_key_from_seed(derive_seed(root, "audit_noise"))  # 256 bits, as the job's noise key
-    tx = optax.chain(_privatizer(claim, bug, sigma, expected_batch_size=expected_batch_size, key=key),
+    tx = optax.chain(_privatizer(claim, bug, sigma, expected_batch_size=expected_batch_size, key=key,
+                                 noise_std=claim.noise_std(sigma, q, steps)),
                      optax.sgd(settings.learning_rate))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     kernel_before = np.asarray(model.linear.kernel[...])
+    weights = strategies.strategy_matrix(claim.noise_mechanism, steps).sum(axis=0)  # w = C^T 1
     grads_fn = per_example_grads(_losses)
     onehot_p_MP = jax.nn.one_hot(p_M, side)
     g_M1D = canary_norm * jax.nn.one_hot(d_M, side)[:, None, :]
@@ -179,12 +208,16 @@ def white_box_audit(*, settings: WhiteBoxSettings = WhiteBoxSettings(), claim: C
         grads = _with_canaries(grads, (present_M[:, None] * onehot_p_MP)[:, None, :], g_M1D)
         optimizer.update(model, grads)
 
-    for _ in range(steps):
-        batch = {"x": x_NP, "y": y_N, "mask": rng.random(n) < q}
-        present_M = (included & (rng.random(m) < q)).astype(np.float32)
+    weighted = np.zeros(kernel_before.shape, np.float64)  # sum_t w_t (kernel after step t - before it)
+    for t in range(steps):
+        batch = {"x": x_NP, "y": y_N, "mask": (rng.random(n) < q) & (group_N == t % b)}
+        present_M = (included & (rng.random(m) < q) & (group_M == t % b)).astype(np.float32)
+        before = np.asarray(model.linear.kernel[...], np.float64)
         step(model, optimizer, batch, present_M)
+        weighted += weights[t] * (np.asarray(model.linear.kernel[...], np.float64) - before)
 
-    change = np.asarray(model.linear.kernel[...]) - kernel_before
+    # DP-SGD (w = 1): the total change itself, as the kernel's difference (bit for bit the score it always had).
+    change = np.asarray(model.linear.kernel[...]) - kernel_before if claim.noise_kind == "dpsgd" else weighted
     # <clipped canary gradient, total change>, negated: min(canary_norm, C) * -change[p_i, d_i].
     scores = -min(canary_norm, l2_norm_clip) * change[p_M, d_M]
     audit = auditing.epsilon_lower_bound(scores, included, delta=claim.delta, ks=settings.ks,
@@ -263,6 +296,9 @@ def black_box_audit(model: nnx.Module, windows: np.ndarray, vocab_size: int, *,
       A `BlackBoxAudit`.
     """
     _check_types(settings, BlackBoxSettings, claim)
+    if claim.noise_kind != "dpsgd":
+        raise ValueError(f"black_box_audit runs DP-SGD's noise only, got claim.noise_mechanism "
+                         f"{claim.noise_mechanism!r}: audit a correlated-noise step with white_box_audit")
     num_canaries, steps, batch_size, bug = settings.num_canaries, settings.steps, settings.batch_size, settings.bug
     windows = np.asarray(windows)
     if windows.ndim != 2 or windows.shape[1] < 2:
@@ -322,6 +358,9 @@ def check_audit_config(config) -> None:
     if config.privacy.unit != "window":
         raise ValueError(f"config.privacy.unit must be 'window' (the audit inserts canary windows), "
                          f"got {config.privacy.unit!r}")
+    if config.audit.kind == "black_box" and config.dp.get("mechanism", "dpsgd") != "dpsgd":
+        raise ValueError(f"config.dp.mechanism must be 'dpsgd' for the black-box audit, got "
+                         f"{config.dp.mechanism!r}: audit correlated noise with config.audit.kind='white_box'")
     if not config.dp.enabled or config.dp.method != "bookkeeping":
         raise ValueError(f"config.dp.enabled must be True and config.dp.method 'bookkeeping' (the audit runs the "
                          f"one-backward DP step), got {config.dp.enabled!r} / {config.dp.method!r}")
