@@ -3,6 +3,8 @@
     python -m experiments.bench_throughput --jobs=8         # the default grid on a GPU, 8 compiles at a time
     python -m experiments.bench_throughput --target=h100    # predicted: XLA:GPU deviceless compile, no GPU
     python -m experiments.bench_throughput --smoke          # tiny GPT-2 on CPU, seconds
+    python -m experiments.bench_throughput --target=h100 --configs=small:4:1024 --methods=auto \
+        --mechanisms=dpsgd,bandmf:4,bandmf:8,bandmf:16     # the noise buffers' cost
 
 Configurations are `model:micro_batch:seq_len` (default: GPT-2 small at seq 1024 with micro-batch
 4 and 16, and at seq 16384 with micro-batch 1); the methods and what each row measures are
@@ -47,6 +49,8 @@ WAIT_FOR = flags.DEFINE_string("wait_for", None, "with --jobs > 1: before timing
                                 "file exists (e.g. GPU tests run beside the compiles write it when done)")
 PROFILE_DIR = flags.DEFINE_string("profile_dir", None, "also trace 3 steps per configuration (jax.profiler) under "
                                    "this folder and print where the GPU time goes (jaxdp/analysis/profile.py)")
+MECHANISMS = flags.DEFINE_list("mechanisms", ["dpsgd"], "noise mechanisms of each fused_clip method: dpsgd, "
+                                "bandmf:<bands>, blt:<buffers> (jaxdp.analysis.throughput.mechanism_of)")
 HOLD = flags.DEFINE_boolean("hold", False, "internal: after compiling, print COMPILED and wait for a line on stdin")
 
 
@@ -116,6 +120,11 @@ def main(argv):
     methods = ["non_dp"] + [m for m in METHODS_FLAG.value if m != "non_dp"]
     if unknown := sorted(set(methods).union(*(c[3] or () for c in configs)) - set(tp.ALL_METHODS)):
         raise app.UsageError(f"--methods: unknown {unknown}; allowed: {', '.join(tp.ALL_METHODS)}")
+    for name in MECHANISMS.value:
+        try:
+            tp.mechanism_of(name)
+        except ValueError as e:
+            raise app.UsageError(f"--mechanisms: {e}") from None
     where = f"predicted for {target} (XLA:GPU deviceless compile on {jax.devices()[0].device_kind})" if target else \
         f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})"
     print(f"{where}, jax {jax.__version__}, {datetime.date.today()}, {dtype}, attention {attention}\n")
@@ -128,16 +137,19 @@ def main(argv):
               "memory |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
     cfgs = [dict(model=model, B=B, T=T, method=method, dtype=dtype, vocab=vocab, attention=attention, steps=steps,
-                 warmup=warmup, target=target, profile_dir=PROFILE_DIR.value)
+                 warmup=warmup, target=target, profile_dir=PROFILE_DIR.value,
+                 **({} if mechanism == "dpsgd" else {"mechanism": mechanism}))
             for model, B, T, config_methods in configs
-            for method in ["non_dp"] + [m for m in config_methods or methods if m != "non_dp"]]
+            for method in ["non_dp"] + [m for m in config_methods or methods if m != "non_dp"]
+            for mechanism in (["dpsgd"] if method in ("non_dp", "two_pass") else MECHANISMS.value)]
     rows, base, held = [], None, JOBS.value > 1 and not target
     rows_of = (_held.held_rows(cfgs, lambda c: _command(c, hold=True), JOBS.value, TIMEOUT.value, WAIT_FOR.value)
                if held else (tp.spawned_row(cfg, _command(cfg)[0], TIMEOUT.value) for cfg in cfgs))
     for cfg, row in zip(cfgs, rows_of):
         base = row if cfg["method"] == "non_dp" else base
         rows.append(row)
-        print(f"| {cfg['model']} | {cfg['B']} | {cfg['T']} | {cfg['method']} | "
+        label = cfg["method"] + (f" {cfg['mechanism']}" if "mechanism" in cfg else "")
+        print(f"| {cfg['model']} | {cfg['B']} | {cfg['T']} | {label} | "
               + " | ".join(_cells(row, base, bool(target))) + " |", flush=True)
         write_results(OUT.value, rows, target=target, jobs=JOBS.value, quiet=True)  # a killed run keeps its rows
     if any("profile" in row for row in rows):

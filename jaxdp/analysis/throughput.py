@@ -2,7 +2,9 @@
 
 A configuration is a dict: `model` (a `GPT2Config.preset` name), `B`, `T`, `method`, `dtype`, `vocab`,
 `attention`, `steps` (timed steps per repeat; 0: compile and memory analysis only), `warmup`, optionally
-`target` (a GPU kind to compile for without one: predictions only) and `profile_dir`.
+`target` (a GPU kind to compile for without one: predictions only), `profile_dir` and `mechanism` (the noise
+mechanism of a fused_clip method, `mechanism_of`: "dpsgd", the default, or "bandmf:<b>" / "blt:<k>", whose
+float32 buffers of the parameters' shape are optimizer state the step reads and writes).
 The methods (flat clipping unless named; the DP ones clip at C = 1 and add noise sigma = 0.8 unless
 `dp_gradients` is asked otherwise):
 
@@ -42,14 +44,32 @@ _STRATEGY = {"explicit": "auto", "ghost": "ghost", "store": "store", "auto": "au
              MERGED: "auto", "per_layer": "auto", "pallas_flat": "pallas", "pallas_per_layer": "pallas"}
 
 
+def mechanism_of(name: str | None):
+    """The noise mechanism a benchmark row names: None or "dpsgd": DP-SGD; "bandmf:<b>": BandMF with `b` bands
+    (`jaxdp.noise.strategies.bandmf(1024, b)`); "blt:<k>": a BLT with `k` buffers (fixed decays and scales:
+    its cost does not depend on their values, and no jax_privacy is needed). Raises ValueError otherwise."""
+    from jaxdp.noise import mechanisms, strategies
+    kind, _, size = (name or "dpsgd").partition(":")
+    if kind == "dpsgd" and not size:
+        return mechanisms.DPSGD()
+    if kind in ("bandmf", "blt") and size.isdigit() and int(size) >= 1:
+        k = int(size)
+        if kind == "bandmf":
+            return strategies.bandmf(max(1024, k), k)
+        return mechanisms.BLT(tuple(0.5 ** (i + 1) for i in range(k)), tuple(0.1 for _ in range(k)))
+    raise ValueError(f"mechanism must be 'dpsgd', 'bandmf:<bands>' or 'blt:<buffers>', got {name!r}")
+
+
 def dp_gradients(method: str, losses_fn: Callable, *, l2_norm_clip: float = 1.0, noise_multiplier: float = 0.8,
-                 expected_batch_size: float):
+                 expected_batch_size: float, mechanism: str | None = None):
     """(transform, grads_of) of one method: the step's update is `chain(transform, adam)` of
     `grads_of(model, batch, key)`.
 
     `losses_fn(model, batch)` returns per-example losses (B,). For fused_clip methods `grads_of` returns
     per-example gradients and `transform` clips, sums and noises them; for `non_dp` (the mean loss's
     gradient) and `two_pass` (already clipped and noised by `grads_of`) `transform` is the identity.
+    `mechanism` (`mechanism_of`) applies to the fused_clip methods; a correlated one with another method is a
+    ValueError.
     """
     import optax
     from flax import nnx
@@ -63,13 +83,17 @@ def dp_gradients(method: str, losses_fn: Callable, *, l2_norm_clip: float = 1.0,
 
     if method not in ALL_METHODS:
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(ALL_METHODS)}")
+    noise_mechanism = mechanism_of(mechanism)
+    if noise_mechanism.num_buffers and method in ("non_dp", "two_pass"):
+        raise ValueError(f"mechanism {mechanism!r} needs a fused_clip method, not {method!r}")
     C, sigma, expected_B = l2_norm_clip, noise_multiplier, expected_batch_size
     if method in ("non_dp", "two_pass"):
         transform = optax.identity()
     else:
         clipping = "per_layer" if method in ("per_layer", "pallas_per_layer") else "flat"
         transform = fused_clip(C, sigma, expected_batch_size=expected_B, secure_noise=method == SECURE,
-                               clip=ClipSpec(clipping=clipping), norms=NormPlan(strategy=_STRATEGY[method]))
+                               clip=ClipSpec(clipping=clipping), norms=NormPlan(strategy=_STRATEGY[method]),
+                               mechanism=noise_mechanism)
     grads_fn = per_example_grads(losses_fn)
     two_pass = two_pass_clipped_sums(losses_fn, C, norms=NormPlan(allow_low_precision=True))  # timing only
 
@@ -112,7 +136,7 @@ def step_fn(cfg: dict):
     method, B, T = cfg["method"], cfg["B"], cfg["T"]
     config = GPT2Config.preset(cfg["model"], seq_len=T, dtype=cfg["dtype"], vocab_size=cfg["vocab"],
                                attention=cfg["attention"])
-    dp_tx, grads_of = dp_gradients(method, lm_losses, expected_batch_size=float(B))
+    dp_tx, grads_of = dp_gradients(method, lm_losses, expected_batch_size=float(B), mechanism=cfg.get("mechanism"))
     tx = optax.chain(dp_tx, optax.adam(1e-4)) if method not in ("non_dp", "two_pass") else optax.adam(1e-4)
 
     def build():
