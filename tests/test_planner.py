@@ -52,7 +52,7 @@ def test_rows_it_cannot_plan_say_why(monkeypatch):
     monkeypatch.setattr(planner.strategies, "blt", no_extra)
     chosen, table = planner.plan(UNITS, BATCH, 100, TARGETS[100], DELTA,
                                  (planner.Candidate("dpsgd"), planner.Candidate("bandmf", 200),
-                                  planner.Candidate("blt", 3)), trainable_parameters=1000)
+                                  planner.Candidate("blt", 3)), memory=planner.BufferMemory(1000))
     assert chosen.candidate.kind == "dpsgd" and chosen.buffer_bytes == 0
     assert "bands <= steps" in table[1].skipped and "jaxdp[mf]" in table[2].skipped
     text = planner.format_table(table)

@@ -28,7 +28,6 @@ from job_testing import (
 )
 
 from experiments.configs import finetune as finetune_config
-
 from jaxdp import training
 from jaxdp.accounting import budget
 from jaxdp.accounting import mechanisms as mech_accounting
@@ -189,6 +188,8 @@ def test_fine_tuning_keeps_buffers_for_the_trainable_parameters_only(bandmf_run,
     assert [v.get_value().shape for v in steps.noise_buffer_variables(optimizer)] == [(2, *s) for s in trainable]
     r = json.loads((tmp_path / "lora" / "privacy.json").read_text())
     assert r["noise_mechanism"]["parameters"]["bands"] == 3 and r["sampling"]["groups"] == 3
+    # the buffers' memory counts the trainable parameters only
+    assert r["noise_mechanism"]["parameters"]["buffer_bytes_per_device"] == 2 * 4 * sum(np.prod(s) for s in trainable)
 
 
 def test_bandmf_budget_stop_counts_rounds(corpus, tmp_path):
@@ -213,20 +214,24 @@ def test_bandmf_budget_stop_counts_rounds(corpus, tmp_path):
 def test_auto_prints_records_and_runs_the_planners_choice(corpus, tmp_path, capfd):
     cfg = tiny_config(corpus, tmp_path / "auto", **{"dp.mechanism": "auto", "seed": SECRET_SEED, "sample.num": 0})
     p = training.prepare(cfg)
+    blt_buffers = (3,) if training.config.has_jax_privacy() else ()  # BLT where jax_privacy is installed
     chosen, table = planner.plan(p.num_units, 8, 6, 8.0, p.delta_mechanism,
-                                 planner.default_candidates(p.num_units, 8, 6, blt_buffers=()))
-    assert [r.candidate.label for r in table] == ["dpsgd", "bandmf b=2", "bandmf b=4"]  # no BLT in the job
+                                 planner.default_candidates(p.num_units, 8, 6, blt_buffers=blt_buffers))
+    labels = ["dpsgd", "bandmf b=2", "bandmf b=4"] + ["blt 3 buffers"] * len(blt_buffers)
+    assert [r.candidate.label for r in table] == labels
     assert chosen.candidate.kind == "bandmf" and p.noise.kind == "bandmf" and p.noise.bands == chosen.candidate.size
     assert p.noise.coefs == chosen.mechanism.coefs and p.sampler.cycle_length == p.noise.bands
     assert accountant_epsilon(p, 6) <= 8.0
     training.train(cfg, prepared=p, interrupt_after=1, verbose=True)
     err = capfd.readouterr().err
-    assert err.count("the planner's table") == 1 and planner.format_table(table) in err
+    assert err.count("the planner's table") == 1 and planner.format_table(p.noise.table) in err
+    assert [r.rms_error for r in p.noise.table] == [r.rms_error for r in table]  # with the buffers' bytes added
+    assert "MiB per device" in planner.format_table(p.noise.table)
     assert f"noise mechanism: bandmf b={p.noise.bands}" in err
     r = receipt.privacy_receipt(cfg, p, steps=6, epsilon=accountant_epsilon(p, 6), overflowed_steps=0)
     plan = r["noise_plan"]
     assert plan["chosen"] == f"bandmf b={p.noise.bands}"
-    assert [row["mechanism"] for row in plan["rows"]] == ["dpsgd", "bandmf b=2", "bandmf b=4"]
+    assert [row["mechanism"] for row in plan["rows"]] == labels
     assert [row["chosen"] for row in plan["rows"]] == [r_ is chosen for r_ in table]
     assert [row["rms_error"] for row in plan["rows"]] == [r_.rms_error for r_ in table]
     assert "planner" in r["noise_mechanism"]["parameters"]["chosen_by"]
@@ -254,11 +259,10 @@ def test_budget_tracker_counts_rounds_as_the_mechanism_accountant():
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    ({"dp.mechanism": "blt"}, r"config.dp.mechanism='blt' is not run by the jobs: .*use config.dp.mechanism="
-                              r"'bandmf' .*or 'auto'"),
-    ({"dp.mechanism": "bandmc"}, r"config.dp.mechanism must be one of \('dpsgd', 'bandmf', 'auto'\), got 'bandmc'"),
+    ({"dp.mechanism": "bandmc"}, r"config.dp.mechanism must be one of \('dpsgd', 'bandmf', 'blt', 'auto'\), got "
+                                 r"'bandmc'"),
     ({"dp.mechanism": "bandmf", "dp.bands": -1}, "config.dp.bands must be None or 0"),
-    ({"dp.bands": 2}, "config.dp.bands = 2 applies to config.dp.mechanism='bandmf' or 'auto'"),
+    ({"dp.bands": 2}, "config.dp.bands = 2 applies to config.dp.mechanism='bandmf', 'blt' or 'auto'"),
     ({"dp.mechanism": "bandmf", "dp.bands": 7}, "config.dp.bands = 7 exceeds config.steps = 6"),
     ({"dp.mechanism": "bandmf", "dp.bands": 4, "batch_size": 500, "steps": 8},
      r"config.dp.bands = 4 x config.batch_size = 500 exceeds the \d+ training units"),
@@ -273,8 +277,8 @@ def test_bad_mechanism_is_refused_before_touching_workdir(corpus, tmp_path, over
 
 
 def test_cli_bad_mechanism_exits_2_with_one_line(corpus, tmp_path):
-    proc = run_cli(cli_args(tiny_cli_overrides(corpus, tmp_path / "run", **{"dp.mechanism": "blt"})))
+    proc = run_cli(cli_args(tiny_cli_overrides(corpus, tmp_path / "run", **{"dp.mechanism": "bandmc"})))
     assert proc.returncode == 2 and not (tmp_path / "run").exists()
     errors = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
     assert errors == [proc.stderr.strip().splitlines()[-1]], proc.stderr  # one error line, the last
-    assert errors[0].startswith("error: config.dp.mechanism='blt' is not run by the jobs"), proc.stderr
+    assert errors[0].startswith("error: config.dp.mechanism must be one of"), proc.stderr

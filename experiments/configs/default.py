@@ -86,7 +86,12 @@ def get_config() -> config_dict.ConfigDict:
     c.dp.secure_noise = False            # True: noise of 4 draws per value and the noisy sum snapped to a grid
                                          # (against floating-point attacks on released noisy sums; jaxdp.noise.draws)
     c.dp.mechanism = "dpsgd"             # "dpsgd" (independent noise) | "bandmf" (correlated noise, cyclic Poisson
-                                         # sampling over `bands` groups) | "auto" (the planner's least-noise choice)
-    c.dp.bands = config_dict.placeholder(int)  # BandMF's bands b; None (or 0): the planner picks b ("bandmf", "auto")
+                                         # sampling over `bands` groups) | "blt" (BLT, b-min-separated cyclic
+                                         # sampling, needs jaxdp[mf]) | "auto" (the planner's least-noise choice)
+    c.dp.bands = config_dict.placeholder(int)  # the cyclic groups b: BandMF's bands, BLT's min separation; None (or
+                                         # 0): the planner's b ("bandmf", "auto"), units // batch_size ("blt")
+    c.dp.blt_buffers = 3                 # BLT's buffers (float32 copies of the trainable parameters), 1-10
+    c.dp.noise_buffer_gb = config_dict.placeholder(float)  # most GiB per device for the noise buffers: the
+                                         # planner skips candidates over it; None: no limit
     c.lock()
     return c

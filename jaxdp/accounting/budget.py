@@ -6,7 +6,9 @@ one per step for DP-SGD, one per `cycle_length` steps for amplified BandMF
 (`jaxdp.accounting.mechanisms`, whose `MechanismAccounting` `BudgetTracker.of`
 reads); the tracker adds the step count, the stop before the target epsilon
 and a JSON-serialisable state for checkpoints. The training loop
-(`jaxdp.training.loop`) keeps one per run.
+(`jaxdp.training.loop`) keeps one per run. A "blt" run is one Gaussian
+release of the whole run: `ReleaseTracker` counts the epsilon of its prefix
+(`MechanismAccounting.prefix_sensitivity`) instead.
 
 Example::
 
@@ -20,11 +22,11 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jaxdp.accounting import accountant as accounting
-from jaxdp.accounting import calibration
-from jaxdp.accounting import mechanisms
+from jaxdp.accounting import calibration, mechanisms
 
 
 class BudgetTracker:
@@ -95,13 +97,18 @@ class BudgetTracker:
     @classmethod
     def of(cls, run: mechanisms.MechanismAccounting, noise_multiplier: float, delta: float, *,
            target_epsilon: float | None = None, accountant: str = "pld",
-           value_discretization_interval: float = accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL) -> BudgetTracker:
-        """The tracker of a run accounted as `run` ("dpsgd" or "bandmf"): its epsilon after s steps is
-        `mechanisms.epsilon_for(run with steps=s, noise_multiplier, delta)`. "blt" is one Gaussian release
-        over the whole run, which no step count stops: refused (ValueError)."""
+           value_discretization_interval: float = accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL,
+           prefix: Callable[[int], mechanisms.MechanismAccounting] | None = None) -> BudgetTracker:
+        """The tracker of a run accounted as `run`: its epsilon after s steps is
+        `mechanisms.epsilon_for(run with steps=s, noise_multiplier, delta)` ("dpsgd", "bandmf"), or for
+        "blt" `mechanisms.epsilon_for(prefix(s), ...)`, a `ReleaseTracker` (`prefix` required: s steps ->
+        the accounting of the run's first s steps, with their prefix sensitivity)."""
         if run.kind == "blt":
-            raise ValueError("BudgetTracker counts rounds of a subsampled Gaussian (dpsgd, bandmf); a 'blt' run is "
-                             "one release of the whole run: account it with jaxdp.accounting.mechanisms.epsilon_for")
+            if prefix is None:
+                raise ValueError("a 'blt' run is one release of the whole run: BudgetTracker.of needs prefix, "
+                                 "steps -> the MechanismAccounting of its first steps (prefix_sensitivity)")
+            return ReleaseTracker(noise_multiplier, delta, prefix, run.steps, target_epsilon=target_epsilon,
+                                  accountant=accountant, value_discretization_interval=value_discretization_interval)
         return cls(noise_multiplier, run.sampling_probability, delta, target_epsilon=target_epsilon,
                    accountant=accountant, value_discretization_interval=value_discretization_interval,
                    cycle_length=run.cycle_length)
@@ -160,9 +167,16 @@ class BudgetTracker:
             **({} if self.cycle_length == 1 else {"cycle_length": self.cycle_length}),
         }
 
+    def restored(self, state: dict[str, Any]) -> BudgetTracker:
+        """A tracker like this one at the step count of `state` (another tracker's `state_dict()`, e.g. a
+        checkpoint's): `from_state_dict(state)`; a `ReleaseTracker` keeps its prefix function."""
+        return type(self).from_state_dict(state)
+
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> BudgetTracker:
-        """Rebuilds a tracker from `state_dict()` output."""
+        """Rebuilds a tracker from `state_dict()` output (a "blt" state: `ReleaseTracker.restored`)."""
+        if state.get("kind") == "blt":
+            raise ValueError("a 'blt' tracker's state needs its prefix function: use ReleaseTracker.restored(state)")
         tracker = cls(
             state["noise_multiplier"], state["sampling_probability"], state["delta"],
             target_epsilon=state["target_epsilon"], accountant=state["accountant"],
@@ -183,3 +197,66 @@ class BudgetTracker:
                 f"target_epsilon={self.target_epsilon}, accountant={self.accountant!r}, "
                 f"steps={self._steps}" + ("" if self.cycle_length == 1 else f", cycle_length={self.cycle_length}")
                 + ")")
+
+
+class ReleaseTracker(BudgetTracker):
+    """The budget of a run accounted as one Gaussian release ("blt", no amplification): epsilon after s of
+    its `total_steps` steps is `mechanisms.epsilon_for(prefix(s), noise_multiplier, delta)`, the release
+    of the first s steps (sensitivity `prefix(s).prefix_sensitivity` under the run's noise std), which is
+    nondecreasing in s and the whole run's epsilon at s = total_steps. `max_steps` is the largest s <=
+    total_steps within the target (bisection); no step beyond total_steps is allowed, as the strategy and
+    its sensitivity are the run's. Its state is `BudgetTracker`'s plus "kind": "blt" and "total_steps";
+    restore it with `restored(state)` (the prefix function is not state).
+    """
+
+    def __init__(self, noise_multiplier: float, delta: float,
+                 prefix: Callable[[int], mechanisms.MechanismAccounting], total_steps: int, *,
+                 target_epsilon: float | None = None, accountant: str = "pld",
+                 value_discretization_interval: float = accounting.DEFAULT_VALUE_DISCRETIZATION_INTERVAL):
+        super().__init__(noise_multiplier, 1.0, delta, target_epsilon=target_epsilon, accountant=accountant,
+                         value_discretization_interval=value_discretization_interval)
+        self.total_steps = accounting._check_count("total_steps", total_steps)
+        self._prefix = prefix
+
+    @property
+    def max_steps(self) -> int:
+        if self._max_steps is None:
+            if self.target_epsilon is None:
+                self._max_steps = self.total_steps
+            else:
+                lo, hi = 0, self.total_steps  # epsilon(lo) <= target (0 steps cost 0); find the largest such
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if self._epsilon_at(mid) <= self.target_epsilon else (lo, mid - 1)
+                self._max_steps = lo
+        return self._max_steps
+
+    def can_step(self, n: int = 1) -> bool:
+        n = accounting._check_count("n", n)
+        return self._steps + n <= self.max_steps
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "kind": "blt", "total_steps": self.total_steps}
+
+    def restored(self, state: dict[str, Any]) -> ReleaseTracker:
+        if state.get("kind") != "blt":
+            raise ValueError(f"not a 'blt' tracker's state: {state!r}")
+        tracker = ReleaseTracker(state["noise_multiplier"], state["delta"], self._prefix, state["total_steps"],
+                                 target_epsilon=state["target_epsilon"], accountant=state["accountant"],
+                                 value_discretization_interval=state["value_discretization_interval"])
+        tracker._steps = accounting._check_count("steps", state["steps"])
+        return tracker
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> BudgetTracker:
+        raise ValueError("a ReleaseTracker's state needs its prefix function: use tracker.restored(state)")
+
+    def _epsilon_at(self, steps: int) -> float:
+        return mechanisms.epsilon_for(self._prefix(steps), self.noise_multiplier, self.delta,
+                                      accountant=self.accountant,
+                                      value_discretization_interval=self.value_discretization_interval)
+
+    def __repr__(self) -> str:
+        return (f"ReleaseTracker(noise_multiplier={self.noise_multiplier}, delta={self.delta}, "
+                f"total_steps={self.total_steps}, target_epsilon={self.target_epsilon}, "
+                f"accountant={self.accountant!r}, steps={self._steps})")

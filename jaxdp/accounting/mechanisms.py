@@ -29,7 +29,10 @@ equal to the number of bands.
 whole run is one Gaussian release C G + Z of sensitivity `strategy_sensitivity`, the largest norm of a sum
 of C's columns over the participation patterns the sampler allows (at most `participations`, at least
 `min_sep` = `cycle_length` steps apart). It claims no amplification: the sampling probability is recorded
-only. For a prefix of the run, `epsilon_for` with the full run's sensitivity is an upper bound.
+only. A prefix of the run (its first `steps` of `total` steps, as the budget stop and a resume count it) is
+the release of the leading steps x steps block of C, whose sensitivity `prefix_sensitivity` (the same
+patterns within `steps`) is at most the run's: with the run's noise std it is one Gaussian at noise
+multiplier sigma x strategy_sensitivity / prefix_sensitivity, nondecreasing in `steps` to sigma at the end.
 
 The epsilon is `jaxdp.accounting.accountant.epsilon`'s (PLD by default) on the event's rounds; a single
 Gaussian is its q = 1, one-step case. `calibrate_for` reuses `jaxdp.accounting.calibration`'s bracketing.
@@ -78,6 +81,9 @@ class MechanismAccounting:
         sensitivity of C over the run (`jaxdp.noise.strategies.sensitivity`).
       participations: "blt": the cap on a unit's participations the sensitivity assumed (None: as many as
         `steps` allow at `cycle_length` apart); recorded for the others.
+      prefix_sensitivity: "blt" only: the sensitivity of the first `steps` steps (`strategies.sensitivity`
+        of C over `steps`), when `steps` is a prefix of a run whose noise std is scaled by
+        `strategy_sensitivity`; None: `steps` is the whole run (the same as strategy_sensitivity).
     """
 
     kind: str
@@ -86,6 +92,7 @@ class MechanismAccounting:
     cycle_length: int = 1
     strategy_sensitivity: float = 1.0
     participations: int | None = None
+    prefix_sensitivity: float | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -97,6 +104,12 @@ class MechanismAccounting:
         _positive_finite("strategy_sensitivity", self.strategy_sensitivity)
         if self.participations is not None and operator.index(self.participations) < 1:
             raise ValueError(f"participations must be None or an integer >= 1, got {self.participations!r}")
+        if self.prefix_sensitivity is not None:
+            _positive_finite("prefix_sensitivity", self.prefix_sensitivity)
+            if self.kind != "blt" or self.prefix_sensitivity > self.strategy_sensitivity * (1 + 1e-12):
+                raise ValueError(f"prefix_sensitivity applies to kind 'blt' and is at most strategy_sensitivity "
+                                 f"{self.strategy_sensitivity!r}, got {self.prefix_sensitivity!r} (kind "
+                                 f"{self.kind!r})")
         if self.kind == "dpsgd" and (self.cycle_length != 1 or self.strategy_sensitivity != 1):
             raise ValueError("dpsgd: cycle_length and strategy_sensitivity must be 1 "
                              f"(got {self.cycle_length!r}, {self.strategy_sensitivity!r})")
@@ -111,16 +124,25 @@ class MechanismAccounting:
     def noise_std(self, l2_norm_clip_sensitivity: float, sigma: float) -> float:
         return noise_std(self.kind, l2_norm_clip_sensitivity, sigma, self.strategy_sensitivity)
 
+    def event_noise_multiplier(self, sigma: float) -> float:
+        """The noise multiplier of the event's Gaussian: `sigma`, except for a "blt" prefix, whose release
+        has the prefix's sensitivity under the run's noise: sigma x strategy_sensitivity / prefix_sensitivity."""
+        sigma = accountant_lib._check_noise_multiplier(sigma)
+        if self.prefix_sensitivity is None:
+            return sigma
+        return sigma * (self.strategy_sensitivity / self.prefix_sensitivity)
+
     def dp_event(self, sigma: float) -> dp_accounting.DpEvent:
         """The DpEvent this run is accounted as, at noise multiplier `sigma`."""
-        gaussian = dp_accounting.GaussianDpEvent(accountant_lib._check_noise_multiplier(sigma))
+        gaussian = dp_accounting.GaussianDpEvent(self.event_noise_multiplier(sigma))
         if self.kind == "blt":
             return gaussian if self.steps else dp_accounting.NoOpDpEvent()
         return dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(self.sampling_probability, gaussian), self.rounds)
 
-    def _rounds_and_q(self) -> tuple[int, float]:
-        # A single Gaussian release is the Poisson-sampled Gaussian at q = 1, once.
+    def rounds_and_probability(self) -> tuple[int, float]:
+        """(compositions, sampling probability) of the Poisson-subsampled Gaussian the event is: a single
+        Gaussian release ("blt") is the one at q = 1, once."""
         return self.rounds, (1.0 if self.kind == "blt" else self.sampling_probability)
 
 
@@ -143,9 +165,9 @@ def epsilon_for(run: MechanismAccounting, sigma: float, delta: float, *, account
     """Epsilon of `run` at noise multiplier `sigma` (an upper bound: the run is (epsilon, delta)-DP under
     add-or-remove-one adjacency, given the sampling and noise std of the module docstring). 0 steps cost 0;
     sigma = 0 costs inf."""
-    rounds, q = run._rounds_and_q()
-    return accountant_lib.epsilon(sigma, q, rounds, delta, accountant=accountant,
-                              value_discretization_interval=value_discretization_interval)
+    rounds, q = run.rounds_and_probability()
+    return accountant_lib.epsilon(run.event_noise_multiplier(sigma), q, rounds, delta, accountant=accountant,
+                                  value_discretization_interval=value_discretization_interval)
 
 
 def calibrate_for(run: MechanismAccounting, target_epsilon: float, delta: float, *, accountant: str = "pld",
@@ -153,10 +175,11 @@ def calibrate_for(run: MechanismAccounting, target_epsilon: float, delta: float,
                   value_discretization_interval: float = accountant_lib.DEFAULT_VALUE_DISCRETIZATION_INTERVAL) -> float:
     """The smallest sigma with (1 - rtol) target_epsilon <= epsilon_for(run, sigma, delta) <= target_epsilon
     (`jaxdp.accounting.calibration.calibrate_noise_multiplier` on the run's rounds; 0.0 for 0 steps)."""
-    rounds, q = run._rounds_and_q()
-    return calibration.calibrate_noise_multiplier(
+    rounds, q = run.rounds_and_probability()
+    sigma = calibration.calibrate_noise_multiplier(
         target_epsilon, q, rounds, delta, accountant=accountant, rtol=rtol,
         value_discretization_interval=value_discretization_interval)
+    return sigma if run.prefix_sensitivity is None else sigma * run.prefix_sensitivity / run.strategy_sensitivity
 
 
 def describe(run: MechanismAccounting, sigma: float, delta: float, *, parameters: dict[str, Any] | None = None,
@@ -177,6 +200,7 @@ def describe(run: MechanismAccounting, sigma: float, delta: float, *, parameters
             "partition": None if run.kind == "dpsgd" else "secret; each unit's group uniform and independent",
             "participations": run.participations,
         },
+        **({} if run.prefix_sensitivity is None else {"prefix_sensitivity": run.prefix_sensitivity}),
         "steps": run.steps,
         "accounted_as": ACCOUNTED_AS[run.kind],
         "dp_event": repr(run.dp_event(sigma)),

@@ -19,13 +19,12 @@ import math
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-
 from jaxdp._keywords import old_keywords
 from jaxdp.clipping import norm_costs
 from jaxdp.clipping import norms as norms_lib
 from jaxdp.clipping import rules as clipping_lib
 from jaxdp.noise import draws as noise_lib
-from jaxdp.noise.mechanisms import BandMF, DPSGD
+from jaxdp.noise.mechanisms import BLT, DPSGD, BandMF
 
 
 def check_positive(name: str, value, allow_zero: bool = False) -> None:
@@ -108,12 +107,13 @@ class DPSpec:
       secure_noise: four draws per value from ChaCha20 bits and a snapped release (`jaxdp.noise.draws`,
         "Floating-point noise").
       mechanism: how each step's noise combines the draws of earlier steps (`jaxdp.noise.mechanisms`):
-        `DPSGD()` (independent, the default) or `BandMF(coefs)`. The draws' std is sigma C' times the
-        strategy's column norm ||c|| (1 for `jaxdp.noise.strategies.bandmf`'s coefficients), the
-        convention of `jaxdp.accounting.mechanisms`; BandMF's epsilon is the amplified analysis, valid
-        only with cyclic Poisson sampling of b groups (`jaxdp.sampling.cyclic`). BLT, whose sensitivity
-        depends on the whole run's participation, is not taken here: build its `GaussianPrivatizer`
-        with `jaxdp.accounting.mechanisms.noise_std`.
+        `DPSGD()` (independent, the default), `BandMF(coefs)` or `BLT(..., sensitivity=s)`. The draws' std
+        is sigma C' times the strategy sensitivity: BandMF's column norm ||c|| (1 for
+        `jaxdp.noise.strategies.bandmf`'s coefficients), BLT's `sensitivity` (its min-separation
+        sensitivity for the run's participation, which only the caller knows: a BLT without it is
+        refused), the convention of `jaxdp.accounting.mechanisms`. BandMF's epsilon is the amplified
+        analysis, valid only with cyclic Poisson sampling of b groups (`jaxdp.sampling.cyclic`); BLT's is
+        one Gaussian release, valid for any sampling whose participations the sensitivity covers.
     """
     l2_norm_clip: float
     noise_multiplier: float
@@ -128,17 +128,19 @@ class DPSpec:
         check_positive("expected_batch_size", self.expected_batch_size)
         check_clip_spec(self.clip)
         object.__setattr__(self, "secure_noise", noise_lib.check_secure(self.secure_noise, "DPSpec"))
-        if not isinstance(self.mechanism, (DPSGD, BandMF)):
-            raise TypeError(f"mechanism must be jaxdp.noise.mechanisms.DPSGD() or BandMF(coefs), got "
-                            f"{self.mechanism!r}; BLT: a GaussianPrivatizer with "
-                            "jaxdp.accounting.mechanisms.noise_std (its sensitivity depends on the run)")
+        if not (isinstance(self.mechanism, (DPSGD, BandMF))
+                or (isinstance(self.mechanism, BLT) and self.mechanism.sensitivity is not None)):
+            raise TypeError(f"mechanism must be jaxdp.noise.mechanisms.DPSGD(), BandMF(coefs) or BLT(..., "
+                            f"sensitivity=s), got {self.mechanism!r} (a BLT's sensitivity depends on the run: "
+                            "jaxdp.noise.strategies.sensitivity)")
         if not math.isfinite(self.l2_norm_clip):
             raise ValueError(f"l2_norm_clip must be finite, got {self.l2_norm_clip}")
 
     @property
     def noise_std(self) -> float:
         """The std of the draws: sigma times the clip's sensitivity C' times the strategy's column norm."""
-        return clipping_lib.noise_std(self.l2_norm_clip, self.noise_multiplier) * self.mechanism.column_norm
+        scale = self.mechanism.sensitivity if isinstance(self.mechanism, BLT) else self.mechanism.column_norm
+        return clipping_lib.noise_std(self.l2_norm_clip, self.noise_multiplier) * scale
 
     def privatizer(self):
         """The `jaxdp.noise.privatizer.GaussianPrivatizer` of this release."""

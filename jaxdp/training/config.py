@@ -40,7 +40,18 @@ class ConfigError(ValueError):
 
 MODEL_FAMILIES = ("gpt2", "llama", *GEMMA_FAMILIES)
 PRIVACY_UNITS = ("window", "document", "user")
-NOISE_MECHANISMS = ("dpsgd", "bandmf", "auto")  # config.dp.mechanism (`jaxdp.training.noise_choice`)
+NOISE_MECHANISMS = ("dpsgd", "bandmf", "blt", "auto")  # config.dp.mechanism (`jaxdp.training.noise_choice`)
+MF_INSTALL = "pip install 'jaxdp[mf]'"  # BLT's strategy optimiser: jax-privacy==2.0.0
+
+
+def has_jax_privacy() -> bool:
+    """Whether jax_privacy (the optional extra jaxdp[mf], BLT's optimiser) can be imported; nothing is imported
+    (a module set to None in sys.modules, as an import blocker does, counts as absent)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec("jax_privacy") is not None
+    except (ImportError, ValueError):
+        return False
 
 # The fields of `config.model` for each family, besides `family` itself.
 MODEL_FIELDS = {
@@ -175,20 +186,24 @@ def _validate_mechanism(config) -> None:
     `jaxdp.training.noise_choice.choose`)."""
     dp = config.dp
     mechanism, bands = dp.get("mechanism", "dpsgd"), dp.get("bands")
-    _require(mechanism != "blt",
-             "config.dp.mechanism='blt' is not run by the jobs: BLT is accounted as one un-amplified release of the "
-             "whole run, which no per-step budget stop or resume can count, and its strategy needs jaxdp[mf]; use "
-             "config.dp.mechanism='bandmf' (amplified, cyclic Poisson sampling) or 'auto' (library users: "
-             "jaxdp.noise.mechanisms.BLT in a GaussianPrivatizer)")
+    buffers, budget = dp.get("blt_buffers", 3), dp.get("noise_buffer_gb")
     _require(mechanism in NOISE_MECHANISMS,
              f"config.dp.mechanism must be one of {NOISE_MECHANISMS}, got {mechanism!r}")
+    _require(mechanism != "blt" or not dp.enabled or has_jax_privacy(),
+             f"config.dp.mechanism='blt' needs jax_privacy for its strategy: {MF_INSTALL}")
     _require(bands is None or (isinstance(bands, int) and not isinstance(bands, bool) and bands >= 0),
              f"config.dp.bands must be None or 0 (the planner picks), or an integer >= 1, got {bands!r}")
     _require(mechanism != "dpsgd" or not bands,
-             f"config.dp.bands = {bands!r} applies to config.dp.mechanism='bandmf' or 'auto'; DP-SGD has no "
-             "bands (leave config.dp.bands None)")
+             f"config.dp.bands = {bands!r} applies to config.dp.mechanism='bandmf', 'blt' or 'auto'; DP-SGD has "
+             "no bands (leave config.dp.bands None)")
     _require(not bands or bands <= config.steps,
-             f"config.dp.bands = {bands} exceeds config.steps = {config.steps}: BandMF needs bands <= steps")
+             f"config.dp.bands = {bands} exceeds config.steps = {config.steps}: the cyclic sampler's groups (BandMF's "
+             "bands, BLT's min separation) must be at most the steps")
+    _require(isinstance(buffers, int) and not isinstance(buffers, bool) and 1 <= buffers <= 10,
+             f"config.dp.blt_buffers must be an integer in [1, 10], got {buffers!r}")
+    _require(budget is None or (isinstance(budget, (int, float)) and not isinstance(budget, bool)
+                                and 0 <= budget < math.inf),
+             f"config.dp.noise_buffer_gb must be None (no limit) or a number of GiB >= 0, got {budget!r}")
     _require(mechanism == "dpsgd" or bands or config.memory_budget_gb is None or not dp.enabled,
              f"config.memory_budget_gb counts the noise buffers, whose number the planner would choose "
              f"(config.dp.mechanism={mechanism!r}, config.dp.bands None): set config.dp.bands")

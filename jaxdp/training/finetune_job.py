@@ -32,6 +32,7 @@ import json
 import math
 import pathlib
 
+import jax
 import numpy as np
 from flax import nnx
 from ml_collections import config_dict
@@ -141,6 +142,16 @@ def method_options(config):
     return finetune_settings.from_flat(ft.method, {name: ft[name] for name in METHOD_ARGS})
 
 
+def _trainable_parameters(config, mc) -> int:
+    """The parameters the method trains (the noise buffers' size), counted on shapes."""
+    try:
+        model = nnx.eval_shape(lambda: finetune.prepare(config_lib.build_model(mc, 0), config.finetune.method,
+                                                        rngs=nnx.Rngs(0), options=method_options(config)))
+    except ValueError as e:
+        raise ConfigError(f"config.finetune: {e}") from None
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
 def data_format(config) -> str:
     """config.data.format: "text" (a corpus, as pretraining reads) or "instruct" (`jaxdp.data.instructions`);
     "text" where the config has no such field (runs from before it)."""
@@ -228,7 +239,8 @@ def prepare(config, *, progress=None, notice=None) -> Prepared:
             raise ConfigError(f"config.finetune.loss_after ({la!r}) applies to text data; instruction data "
                               "(config.data.format='instruct') counts its completion tokens: leave it unset")
         la, windows = None, _instruction_windows(resolved, ft.init)
-    p = preparation.prepare(resolved, progress=progress, windows=windows)
+    p = preparation.prepare(resolved, progress=progress, windows=windows,
+                            trainable_parameters=lambda mc: _trainable_parameters(resolved, mc))
     if kind == "hf" and _hf_vocab(ft.init) != p.tokenizer.vocab_size:
         raise ConfigError(f"config.finetune.init: the checkpoint's vocab_size ({_hf_vocab(ft.init)}) differs from "
                           f"its tokenizer's ({p.tokenizer.name}: {p.tokenizer.vocab_size})")

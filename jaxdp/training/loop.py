@@ -275,11 +275,11 @@ def _build(config, p: Prepared):
                                noise_key=noise_lib.noise_key_from_seed(p.derive_seed(seeds.NOISE)),
                                accumulation_steps=p.accumulation_steps, mechanism=p.noise.mechanism)
     tracker = None
-    if config.dp.enabled:  # DP-SGD: q over the steps; BandMF: q_b over ceil(steps / b) rounds
+    if config.dp.enabled:  # DP-SGD: q over the steps; BandMF: q_b over ceil(steps / b) rounds; BLT: its prefix
         tracker = BudgetTracker.of(p.accounting(), p.noise_multiplier, p.delta_mechanism,
                                    target_epsilon=config.dp.target_epsilon,
                                    accountant=config.accountant,
-                                   value_discretization_interval=p.pld_interval)
+                                   value_discretization_interval=p.pld_interval, prefix=p.accounting)
     return model, optimizer, tracker
 
 
@@ -293,7 +293,7 @@ def _restore_or_evaluate(run: _Run):
         meta = run.checkpointer.restore(start, run.model, run.optimizer)
         run.clock.resume(meta.get("throughput"))
         if tracker is not None:
-            tracker = BudgetTracker.from_state_dict(meta["accountant"])
+            tracker = tracker.restored(meta["accountant"])
         log(f"resuming {p.workdir} from the checkpoint at step {start}", run.verbose)
     rows = [r for r in rows if r["step"] <= start]
     if start == 0:

@@ -13,10 +13,16 @@ clipping sensitivity:
   "bandmf", b   cyclic Poisson over b groups at q_b = b q (the same expected batch), amplified BandMF
                 accounting over ceil(steps / b) rounds; strategy sensitivity C's max column norm (1).
                 Offered for b = 2, 4, 8, ... while b <= steps, q_b <= 1 and b <= `max_bands`.
-  "blt", k      k buffers; cyclic sampling over min_sep = units // batch groups (q_b <= 1, the same
-                expected batch), so a unit participates at most ceil(steps / min_sep) times, min_sep apart;
-                one Gaussian release with that pattern's sensitivity (no amplification). Needs the optional
-                extra `jaxdp[mf]` (jax_privacy's BLT optimiser); without it its row says why it is skipped.
+  "blt", k      k buffers; cyclic sampling over min_sep = `blt_groups(units, batch, steps)` groups (q_b <= 1,
+                the same expected batch), so a unit participates at most ceil(steps / min_sep) times, min_sep
+                apart; one Gaussian release with that pattern's sensitivity (no amplification). Needs the
+                optional extra `jaxdp[mf]` (jax_privacy's BLT optimiser); without it its row says why it is
+                skipped.
+
+Memory (`BufferMemory`): each buffer is a float32 copy of the trainable parameters, held as optimizer state;
+under ZeRO stage >= 2 each device keeps its shard (`shards` devices), else a whole copy. With a budget, a
+candidate whose buffers exceed it per device is skipped (its row says so) before it is planned; DP-SGD has
+none and always fits.
 
 The error is the RMS over steps of the noise in the running sum of the updates, the quantity the strategies
 are optimised for (jax_privacy's mean loss); it is a proxy for the trained model's loss, not a measurement of
@@ -60,6 +66,46 @@ class Candidate:
 
 
 @dataclasses.dataclass(frozen=True)
+class BufferMemory:
+    """What a candidate's noise buffers cost per device, and the most they may take.
+
+    Attributes:
+      trainable_parameters: the parameters the noise is added to (the buffers' shape), >= 0.
+      shards: devices each buffer is split over (the mesh's data axis under ZeRO stage >= 2, else 1), >= 1.
+      budget_bytes: the most buffer bytes per device a candidate may need (None: no limit), >= 0.
+    """
+    trainable_parameters: int
+    shards: int = 1
+    budget_bytes: int | None = None
+
+    def __post_init__(self):
+        if operator.index(self.trainable_parameters) < 0 or operator.index(self.shards) < 1:
+            raise ValueError(f"need trainable_parameters >= 0 and shards >= 1, got {self.trainable_parameters!r}, "
+                             f"{self.shards!r}")
+        if self.budget_bytes is not None and not self.budget_bytes >= 0:
+            raise ValueError(f"budget_bytes must be None or >= 0, got {self.budget_bytes!r}")
+
+    def bytes_of(self, num_buffers: int) -> int:
+        """Bytes per device of `num_buffers` float32 buffers: ceil(num_buffers x 4 x parameters / shards)."""
+        return -(-4 * operator.index(num_buffers) * self.trainable_parameters // self.shards)
+
+    def fits(self, num_buffers: int) -> bool:
+        return self.budget_bytes is None or self.bytes_of(num_buffers) <= self.budget_bytes
+
+
+def num_buffers(candidate: Candidate) -> int:
+    """The float32 buffers per trainable parameter a candidate keeps: 0, bands - 1, or its BLT buffers."""
+    return {"dpsgd": 0, "bandmf": candidate.size - 1, "blt": candidate.size}[candidate.kind]
+
+
+def blt_groups(num_units: int, expected_batch_size: float, steps: int) -> int:
+    """BLT's cyclic groups (its participations' min separation): units // batch, the most the expected batch
+    allows (q_b <= 1; more separation, less sensitivity), at most `steps` (more groups than steps would leave
+    units unsampled without lowering the sensitivity: each unit already participates at most once)."""
+    return max(1, min(math.floor(num_units / expected_batch_size), steps))
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanRow:
     """One candidate's outcome. `skipped` says why a candidate has no numbers (then they are None).
 
@@ -71,7 +117,7 @@ class PlanRow:
       unit_rms_error: `prefix_sum_rms_error(mechanism, steps)` (noise std 1).
       rms_error: sigma x strategy sensitivity x unit_rms_error (units of the clipping sensitivity).
       num_buffers: float32 buffers per trainable parameter.
-      buffer_bytes: num_buffers x 4 x trainable parameters, when they were given.
+      buffer_bytes: the buffers' bytes per device (`BufferMemory.bytes_of`), when the memory was given.
     """
     candidate: Candidate
     mechanism: mechanisms.Mechanism | None = None
@@ -111,7 +157,7 @@ def _row(candidate: Candidate, num_units: int, batch: float, steps: int, target_
         column_norm = strategies.sensitivity(mechanism, steps, 1, 1)
         run = accounting.MechanismAccounting("bandmf", steps, b * q, b, column_norm)
     else:
-        min_sep = max(1, math.floor(num_units / batch))
+        min_sep = blt_groups(num_units, batch, steps)
         participations = strategies.max_participations(steps, min_sep)
         try:
             mechanism = strategies.blt(steps, candidate.size, min_sep, participations)
@@ -137,7 +183,7 @@ def best(table: Sequence[PlanRow]) -> PlanRow:
 
 
 def plan(num_units: int, expected_batch_size: float, steps: int, target_epsilon: float, delta: float,
-         candidates: Sequence[Candidate] | None = None, *, trainable_parameters: int | None = None,
+         candidates: Sequence[Candidate] | None = None, *, memory: BufferMemory | None = None,
          value_discretization_interval: float = PLAN_VALUE_DISCRETIZATION_INTERVAL) -> tuple[PlanRow, list[PlanRow]]:
     """(the chosen row, the table): every candidate calibrated to (target_epsilon, delta) at the same
     expected batch, and its expected RMS prefix-sum error (module docstring).
@@ -148,7 +194,7 @@ def plan(num_units: int, expected_batch_size: float, steps: int, target_epsilon:
       steps: the run's noisy steps (logical batches), >= 1.
       target_epsilon, delta: the run's budget (delta net of any sampler slack the caller pays).
       candidates: the mechanisms to compare; None: `default_candidates(N, batch, steps)`.
-      trainable_parameters: if given, each row's buffer_bytes.
+      memory: if given, each row's buffer_bytes per device, and a candidate over its budget is skipped.
       value_discretization_interval: the PLD grid of the calibrations (PLAN_VALUE_DISCRETIZATION_INTERVAL).
 
     Returns:
@@ -162,9 +208,15 @@ def plan(num_units: int, expected_batch_size: float, steps: int, target_epsilon:
         candidates = default_candidates(num_units, expected_batch_size, steps)
     table, options = [], dict(value_discretization_interval=value_discretization_interval)
     for candidate in candidates:
+        if memory is not None and not memory.fits(num_buffers(candidate)):
+            nbytes = memory.bytes_of(num_buffers(candidate))
+            table.append(PlanRow(candidate, num_buffers=num_buffers(candidate), buffer_bytes=nbytes,
+                                 skipped=f"its noise buffers need {nbytes / 2**30:.3g} GiB per device > the budget "
+                                         f"{memory.budget_bytes / 2**30:.3g} GiB"))
+            continue
         row = _row(candidate, num_units, expected_batch_size, steps, target_epsilon, delta, options)
-        if trainable_parameters is not None and row.num_buffers is not None:
-            row = dataclasses.replace(row, buffer_bytes=4 * row.num_buffers * operator.index(trainable_parameters))
+        if memory is not None and row.num_buffers is not None:
+            row = dataclasses.replace(row, buffer_bytes=memory.bytes_of(row.num_buffers))
         table.append(row)
     return best(table), table
 
@@ -180,7 +232,7 @@ def format_table(table: Sequence[PlanRow]) -> str:
             lines.append(f"{mark} {r.candidate.label:<16} {'-':>8} {'-':>9} {'-':>9} {'-':>10} {'-':>7} {'-':>6}  "
                          f"skipped: {r.skipped}")
             continue
-        memory = "" if r.buffer_bytes is None else f"buffers {r.buffer_bytes / 2**20:.1f} MiB"
+        memory = "" if r.buffer_bytes is None else f"buffers {r.buffer_bytes / 2**20:.1f} MiB per device"
         lines.append(f"{mark} {r.candidate.label:<16} {r.sigma:8.4f} {r.run.noise_std(1.0, r.sigma):9.4f} "
                      f"{r.unit_rms_error:9.4f} {r.rms_error:10.4f} {r.num_buffers:7d} {r.run.cycle_length:6d}  "
                      f"{memory}")

@@ -35,7 +35,9 @@ there would spend the data's budget again under the same receipt.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
 import pathlib
 import sys
@@ -48,11 +50,13 @@ from flax import nnx
 
 from jaxdp.accounting import accountant as accounting
 from jaxdp.accounting import calibration
+from jaxdp.accounting import mechanisms as mech_accounting
 from jaxdp.core.losses import lm_losses
 from jaxdp.data import windows as data_lib
 from jaxdp.models.gpt2 import GPT2Config
 from jaxdp.models.llama import LlamaConfig
 from jaxdp.noise import seeds
+from jaxdp.noise.mechanisms import BLT
 from jaxdp.sampling.poisson import (
     DEFAULT_MAX_OVERFLOW_PROBABILITY,
     DEFAULT_SLACK_FRACTION,
@@ -152,11 +156,14 @@ class Prepared:
         return seeds.derive_seed(self.root_seed, domain, *path)
 
 
-def prepare(config, *, progress: Callable | None = None, windows: Callable | None = None) -> Prepared:
+def prepare(config, *, progress: Callable | None = None,
+            trainable_parameters: Callable[[Any], int] | None = None, windows: Callable | None = None) -> Prepared:
     """Validates the config and builds data, tokenizer, sampler and sigma; writes nothing to the workdir.
     `windows(tokenizer) -> (train, validation)`: the run's windows instead of the corpus of config.data.path
     in `TokenWindows` (the fine-tuning job's instruction data, `jaxdp.data.instructions`); its ValueError is a
-    ConfigError on config.data."""
+    ConfigError on config.data.
+    `trainable_parameters(model_config)`: how many parameters the run trains (the noise buffers' size, which
+    the planner's memory counts); None: every parameter of the model (pretraining)."""
     validate_config(config)
     workdir = pathlib.Path(config.workdir)
     cfg_json = _without_default_mechanism(json.loads(config.to_json_best_effort(sort_keys=True)))
@@ -276,16 +283,18 @@ def prepare(config, *, progress: Callable | None = None, windows: Callable | Non
                 f"= {delta * DEFAULT_SLACK_FRACTION:.2g}; the smallest max_batch_size accepted is {accepted} "
                 "(None sizes it)")
         delta_mechanism = delta - slack
-        noise = noise_choice.choose(config, population, delta_mechanism)
+        noise = noise_choice.choose(config, population, delta_mechanism,
+                                    functools.partial(_trainable_parameters, config, tokenizer.vocab_size,
+                                                      trainable_parameters))
         try:
-            sampler = noise.sampler(sampler)  # BandMF: cyclic Poisson over its bands, same overflow probability
+            sampler = noise.sampler(sampler)  # BandMF, BLT: cyclic Poisson over its groups, same overflow probability
         except ValueError as e:
             raise ConfigError(f"sampler: {e}") from None
-        run = noise.accounting(config.steps, sampler)
-        sigma, pld_interval = _noise_multiplier(config, run.sampling_probability, run.rounds, delta_mechanism)
+        rounds, q = noise.accounting(config.steps, sampler).rounds_and_probability()  # BLT: one release, q = 1
+        sigma, pld_interval = _noise_multiplier(config, q, rounds, delta_mechanism)
         if dp.noise_multiplier is not None and dp.target_epsilon is not None:  # else a run that cannot take one step
-            first = accounting.epsilon(sigma, run.sampling_probability, 1, delta_mechanism,
-                                       accountant=config.accountant, value_discretization_interval=pld_interval)
+            first = mech_accounting.epsilon_for(noise.accounting(1, sampler), sigma, delta_mechanism,
+                                                accountant=config.accountant, value_discretization_interval=pld_interval)
             _require(first <= dp.target_epsilon,
                      f"config.dp.noise_multiplier = {sigma:g} spends epsilon {first:.4g} in the first step, above "
                      f"config.dp.target_epsilon = {dp.target_epsilon:g}: the run could not take one step; raise "
@@ -337,12 +346,26 @@ def mechanism(p: Prepared) -> dict:
             **(_noise_mechanism(p) if p.records_noise_mechanism else {})}
 
 
+def _trainable_parameters(config, vocab_size: int, count: Callable[[Any], int] | None) -> int:
+    """The parameters the run trains, counted on shapes (`count(model_config)`, default all of the model's)."""
+    mc = model_config(config.model, vocab_size, dtype=config.dtype, remat=config.remat)
+    if count is not None:
+        return count(mc)
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: build_model(mc, 0)),
+                                                                        nnx.Param)))
+
+
 def _noise_mechanism(p: Prepared) -> dict:
     """The noise mechanism's part of `mechanism(p)` (a run with config.dp.mechanism other than "dpsgd")."""
-    run = p.accounting()
-    return {"noise_mechanism": p.noise.kind, "bands": p.noise.bands,
-            "group_sampling_probability": run.sampling_probability if p.noise.kind == "bandmf" else None,
-            "strategy_coefs": list(p.noise.coefs)}
+    run, noise = p.accounting(), p.noise
+    kept = {"noise_mechanism": noise.kind, "bands": noise.bands,
+            "group_sampling_probability": run.sampling_probability if noise.kind == "bandmf" else None,
+            "strategy_coefs": list(noise.coefs)}
+    if noise.kind == "blt":  # its strategy (the optimiser's output, kept as it ran) and the run's sensitivity
+        kept.update(groups=noise.groups, group_sampling_probability=run.sampling_probability,
+                    blt_buf_decay=list(noise.blt.buf_decay), blt_output_scale=list(noise.blt.output_scale),
+                    strategy_sensitivity=noise.blt.sensitivity)
+    return kept
 
 
 def _without_default_mechanism(cfg_json: dict) -> dict:
@@ -352,6 +375,10 @@ def _without_default_mechanism(cfg_json: dict) -> dict:
     if dp.get("mechanism", "dpsgd") == "dpsgd" and not dp.get("bands"):
         dp.pop("mechanism", None)
         dp.pop("bands", None)
+    if dp.get("mechanism", "dpsgd") in ("dpsgd", "bandmf"):  # BLT's buffers: read by "blt" and "auto" only
+        dp.pop("blt_buffers", None)
+    if dp.get("noise_buffer_gb", 0) is None:  # the default: no limit
+        dp.pop("noise_buffer_gb", None)
     return cfg_json
 
 
@@ -363,6 +390,11 @@ def _continued(p: Prepared, meta: dict) -> Prepared:
                                "checked); pass a new --config.workdir to start another run")
     now = mechanism(p)
     diff = [k for k in sorted(set(kept) | set(now)) if not _same(kept.get(k), now.get(k))]
+    if kept.get("noise_mechanism") == now.get("noise_mechanism") == "blt":
+        # jax_privacy's BLT optimiser can differ in its last digits between machines and XLA flags; sigma does
+        # not depend on the strategy (one Gaussian release), so the run continues on the kept strategy and
+        # sensitivity, which its buffers, its noise and its accountant then all use.
+        diff = [k for k in diff if k not in _BLT_STRATEGY]
     if "init_weights" in diff and kept.get("init_weights") and now.get("init_weights") and init_weights.matches(
             kept["init_weights"], p.config.finetune.init, exclude=p.workdir):  # a run recorded the whole directory
         diff.remove("init_weights")
@@ -381,7 +413,13 @@ def _continued(p: Prepared, meta: dict) -> Prepared:
     p = dataclasses.replace(p, **{k: kept[k] for k in _DERIVED})
     if "strategy_coefs" in kept:  # the coefficients the buffers were built with
         p = dataclasses.replace(p, noise=dataclasses.replace(p.noise, coefs=tuple(kept["strategy_coefs"])))
+    if "blt_buf_decay" in kept:  # BLT's strategy and sensitivity as the run began (within 1e-9 of the fresh ones)
+        blt = BLT(tuple(kept["blt_buf_decay"]), tuple(kept["blt_output_scale"]), kept["strategy_sensitivity"])
+        p = dataclasses.replace(p, noise=dataclasses.replace(p.noise, blt=blt))
     return p
+
+
+_BLT_STRATEGY = ("blt_buf_decay", "blt_output_scale", "strategy_sensitivity")
 
 
 def _same(a, b) -> bool:

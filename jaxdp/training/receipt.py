@@ -9,7 +9,7 @@ accountant and its delta, the epsilon spent, the audit's lower bound when
 one ran (`record_audit`, from `python -m experiments.audit` with
 `config.audit.record_in`), and which outputs of the run lie outside the guarantee.
 
-A run with `config.dp.mechanism` "bandmf" or "auto" also names its noise mechanism (`noise_mechanism`: the
+A run with `config.dp.mechanism` "bandmf", "blt" or "auto" also names its noise mechanism (`noise_mechanism`: the
 kind, bands, the strategy's coefficients with their SHA-256 and source, its sensitivity, the sampling and
 the DpEvent it was accounted as, `jaxdp.accounting.mechanisms.describe`) and, when the planner chose, its
 table (`noise_plan`); never the secret partition of the units into groups. A default (DP-SGD) run's receipt
@@ -190,9 +190,11 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         outside["privacy.json, epsilon.png (sampling_probability)"] = (
             "q = batch_size / num_units_bound: the public bound, not N (N is in summary.json and the metrics)")
     guessable = p.seed_guessable
-    noise, cyclic = p.noise, p.noise.kind == "bandmf"
+    noise, cyclic, blt = p.noise, p.noise.kind in ("bandmf", "blt"), p.noise.kind == "blt"
+    groups = noise.cycle_length
     if cyclic:
-        outside["checkpoints/"] += ("; and BandMF's noise buffers (the past steps' noise, as secret as the key)")
+        outside["checkpoints/"] += (f"; and {'BLT' if blt else 'BandMF'}'s noise buffers (the past steps' noise, "
+                                    "as secret as the key)")
     receipt = {
         "dp": True,
         "guarantee": (GUESSABLE_SEED_NOTE if guessable else "") + (
@@ -226,6 +228,9 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
             "normalisation": "the noisy sum of clipped gradients divided by the expected batch size "
                              f"{config.batch_size}, never by the realised batch size",
             "noise_added": "once per logical batch (accumulation over micro-batches adds none)" + (
+                f"; correlated (BLT, {noise.mechanism.num_buffers} buffers): step t adds row t of C^-1 Z, Z i.i.d. "
+                "Gaussian of std noise_std (sigma x sensitivity x the strategy's min-separation sensitivity), from "
+                "float32 buffers of decaying sums of the past noise (see noise_mechanism)" if blt else
                 f"; correlated (BandMF, {noise.bands} bands): step t adds row t of C^-1 Z, Z i.i.d. Gaussian of "
                 "std noise_std, from the last bands - 1 steps' noise kept as float32 buffers (see noise_mechanism)"
                 if cyclic else ""),
@@ -240,13 +245,16 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         },
         "sampling": {
             "method": (f"Poisson: each {unit} independently with probability q at every step" if not cyclic else
-                       f"cyclic Poisson: each {unit} assigned once to one of {noise.bands} groups, uniformly and "
+                       f"cyclic Poisson: each {unit} assigned once to one of {groups} groups, uniformly and "
                        f"independently (a secret partition, never written); step t samples the {unit}s of group "
-                       f"t mod {noise.bands}, each independently with probability group_sampling_probability "
-                       f"(q_b = {noise.bands} q, so the expected batch is batch_size)") + (
+                       f"t mod {groups}, each independently with probability group_sampling_probability "
+                       f"(q_b = {groups} q, so the expected batch is batch_size)" + (
+                           f"; BLT's analysis uses only that a {unit} joins steps {groups} apart, at most "
+                           f"{noise.participations} of them ({groups}-min-separated participation): no "
+                           "amplification by the sampling is claimed" if blt else "")) + (
                 "" if unit == "window" else
                 f"; a sampled {unit} gives min({k}, its windows) of its windows, drawn without replacement"),
-            **({} if not cyclic else {"groups": noise.bands,
+            **({} if not cyclic else {"groups": groups,
                                       "group_sampling_probability": sampler.group_sampling_probability}),
             "random_bits": "ChaCha20 (a cryptographically secure generator) keyed by a SHA-256 of the secret "
                            "root seed, step and attempt (jaxdp.sampling)",
@@ -284,7 +292,7 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         plan = noise_choice.table_record(noise)
         if plan is not None:
             receipt["noise_plan"] = {
-                "chosen": record["mechanism"] + ("" if noise.kind == "dpsgd" else f" b={noise.bands}"),
+                "chosen": planner_label(noise),
                 "rule": "the least expected RMS noise of the released prefix sums (jaxdp.training.planner), each "
                         "candidate calibrated to the run's target epsilon and delta_mechanism at the same expected "
                         "batch; sigma here at the planner's PLD grid, the run's own is mechanism.noise_multiplier",
@@ -346,9 +354,21 @@ def in_plain_words(receipt: dict) -> str:
             "; what it assumes and what lies outside it follow.")
 
 
+def planner_label(noise) -> str:
+    """The planner's label of the run's `noise_choice.NoiseChoice` ("dpsgd", "bandmf b=4", "blt 3 buffers")."""
+    return {"dpsgd": "dpsgd", "bandmf": f"bandmf b={noise.bands}",
+            "blt": f"blt {noise.mechanism.num_buffers} buffers"}[noise.kind]
+
+
 def _noise_in_words(receipt: dict) -> str:
     """in_plain_words' clause on a correlated-noise run ("" for DP-SGD)."""
     noise = receipt.get("noise_mechanism") or {}
+    if noise.get("mechanism") == "blt":
+        groups = (noise.get("parameters") or {}).get("groups")
+        return (". The noise is correlated across steps (BLT: each step's noise partly cancels the previous steps' "
+                f"in the running sum of the updates) and the batches come from {groups} secret groups in turn, so a "
+                f"unit joins steps at least {groups} apart; the guarantee treats the whole run as one Gaussian "
+                "release with the worst such participation, without amplification by the sampling")
     if noise.get("mechanism") != "bandmf":
         return ""
     bands = (noise.get("parameters") or {}).get("bands")
