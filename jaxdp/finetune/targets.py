@@ -6,8 +6,8 @@ family, the projections a target may name and the defaults used when the user na
 
   gpt2                          LoRA: attn/c_attn (q, k, v fused); adapters: attn/c_proj, mlp/c_proj;
                                 names: attn/c_attn, attn/c_proj, mlp/c_fc, mlp/c_proj
-  llama, mistral, qwen2, qwen3  LoRA: attn/q_proj, attn/v_proj; adapters: attn/o_proj, mlp/down_proj;
-                                names: attn/{q,k,v,o}_proj, mlp/{gate,up,down}_proj, lm_head (untied heads)
+  llama, mistral, qwen2, qwen3, LoRA: attn/q_proj, attn/v_proj; adapters: attn/o_proj, mlp/down_proj;
+  gemma2, gemma3_text           names: attn/{q,k,v,o}_proj, mlp/{gate,up,down}_proj, lm_head (untied heads)
 
 The LoRA defaults are Hugging Face PEFT's (`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`: c_attn for
 GPT-2, q_proj and v_proj for the Llama-style families; Hu et al. 2021 adapt W_q and W_v), so a DP-LoRA run
