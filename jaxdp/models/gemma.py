@@ -144,13 +144,14 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 
 def softcapped_attention(q_BTNH, k_BSKH, v_BSKH, mask_TS, scale: float, cap: float) -> jax.Array:
-    """Grouped-query attention with soft-capped scores (HF's eager path): scores `q k^T * scale` in float32,
-    `cap * tanh(s / cap)`, masked, softmax in float32, weights back in q's dtype times v. Query head n
-    reads key / value head n // (N / K)."""
+    """Grouped-query attention with soft-capped scores (HF's eager path): scores `q k^T * scale` in float32
+    (float64 for float64 inputs), `cap * tanh(s / cap)`, masked, softmax, weights back in q's dtype times v.
+    Query head n reads key / value head n // (N / K)."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKRH = q_BTNH.reshape(B, T, K, N // K, H)
-    s_BKRTS = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH, preferred_element_type=jnp.float32) * scale
+    acc = jnp.promote_types(q_BTNH.dtype, jnp.float32)  # float64 stays float64 (x64 mode)
+    s_BKRTS = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH, preferred_element_type=acc) * scale
     s_BKRTS = jnp.where(mask_TS, softcap(s_BKRTS, cap), jnp.finfo(s_BKRTS.dtype).min)
     w_BKRTS = jax.nn.softmax(s_BKRTS, axis=-1).astype(q_BTNH.dtype)
     y_BTKRH = jnp.einsum("bkrts,bskh->btkrh", w_BKRTS, v_BSKH)
