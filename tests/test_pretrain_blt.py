@@ -22,6 +22,7 @@ import pytest
 from job_testing import (
     CLI_ENV,
     REPO,
+    assert_first_metrics_equal,
     cli_args,
     params_of,
     tiny_cli_overrides,
@@ -240,6 +241,17 @@ def test_blt_resume_equals_uninterrupted(blt_run, corpus, tmp_path, monkeypatch)
         checkpointer.close()
     for a, b in zip(*saved, strict=True):  # the buffers among them
         np.testing.assert_array_equal(a, b)
+
+
+@needs_jax_privacy
+def test_blt_on_a_mesh_equals_one_device(blt_run, corpus, tmp_path):
+    """The sharded step (ShardedTrainer, ZeRO-1 over 2 devices: the BLT buffers laid out like the gradients)
+    gives the single-device run's losses and epsilons to 1e-4. (Under ZeRO-2 each device draws its shard's
+    noise from its own key, so the losses differ from one device's, for BandMF as for BLT.)"""
+    full, _, _ = blt_run
+    training.train(tiny_config(corpus, tmp_path / "mesh", **BLT, mesh__data=2, mesh__zero_stage=1),
+                   interrupt_after=4, verbose=False)
+    assert_first_metrics_equal(tmp_path / "mesh", full, num_rows=5)
 
 
 @needs_jax_privacy
