@@ -230,11 +230,12 @@ def choose(config, population: int, delta_mechanism: float | None,
                + (f"config.dp.bands={bands}" if bands else f"groups = min(units // batch_size, steps) = {groups}"))
         try:
             strategy = strategies.blt(steps, size, groups, strategies.max_participations(steps, groups))
+            choice = blt_choice(steps, strategy, groups, how)
         except ImportError:
             raise ConfigError(f"config.dp.mechanism='blt' needs jax_privacy for its strategy: {MF_INSTALL}") from None
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError) as e:  # no strategy, or none whose sensitivity is exact
             raise ConfigError(f"config.dp.mechanism='blt': the BLT optimisation failed: {e}") from None
-        return dataclasses.replace(blt_choice(steps, strategy, groups, how), buffer_bytes=nbytes)
+        return dataclasses.replace(choice, buffer_bytes=nbytes)
     blt_buffers = (dp.get("blt_buffers", 3),) if kind == "auto" and has_jax_privacy() else ()
     everything = planner.default_candidates(population, batch, steps, blt_buffers=blt_buffers)
     if kind == "bandmf":

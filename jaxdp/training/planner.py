@@ -161,13 +161,13 @@ def _row(candidate: Candidate, num_units: int, batch: float, steps: int, target_
         participations = strategies.max_participations(steps, min_sep)
         try:
             mechanism = strategies.blt(steps, candidate.size, min_sep, participations)
+            sensitivity = strategies.sensitivity(mechanism, steps, min_sep, participations)
         except ImportError:
             return PlanRow(candidate, skipped=f"needs jax_privacy: pip install '{strategies.MF_EXTRA}'")
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError) as e:  # no strategy, or none whose sensitivity is exact
             return PlanRow(candidate, skipped=f"BLT optimisation failed: {e}")
-        run = accounting.MechanismAccounting(
-            "blt", steps, batch * min_sep / num_units, min_sep,
-            strategies.sensitivity(mechanism, steps, min_sep, participations), participations)
+        run = accounting.MechanismAccounting("blt", steps, batch * min_sep / num_units, min_sep, sensitivity,
+                                             participations)
     sigma = accounting.calibrate_for(run, target_epsilon, delta, **options)
     unit = strategies.prefix_sum_rms_error(mechanism, steps)
     return PlanRow(candidate, mechanism, run, sigma, unit, run.noise_std(1.0, sigma) * unit, mechanism.num_buffers)
