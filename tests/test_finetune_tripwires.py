@@ -16,7 +16,7 @@ import types
 
 import numpy as np
 import pytest
-from dp_testing import random_model, tiny_gpt2
+from dp_testing import random_model, tiny_gpt2, tiny_llama
 from flax import nnx
 from job_testing import with_settings, write_tiny_corpus
 
@@ -24,6 +24,7 @@ from experiments import finetune as finetune_main
 from experiments.configs import finetune as finetune_config
 from jaxdp.core import nn
 from jaxdp.finetune import methods, tripwires
+from jaxdp.models.gemma import Gemma, GemmaConfig
 from jaxdp.models.hf import save_hf
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.training import finetune_checks, finetune_job, init_weights, run_dir
@@ -89,6 +90,36 @@ def test_the_lora_merge_reproduces_the_logits_and_bad_merges_are_caught():
         with pytest.raises(tripwires.TripwireError, match="LoRA-merged model's logits differ"):
             tripwires.check_lora_merge(model, probe, merge=planted)
     assert tripwires.check_lora_merge(model, probe) == result  # the model was left as it was
+
+
+def bf16_gemma():
+    config = GemmaConfig(vocab_size=97, seq_len=32, n_layer=2, n_head=2, n_kv_head=1, d_model=16, d_ff=32, head_dim=8,
+                         query_pre_attn_scalar=12.0, sliding_window=8, dtype="bfloat16")
+    return Gemma(config, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("build", [lambda: tiny_gpt2(0, dtype="bfloat16"), lambda: tiny_llama(0, dtype="bfloat16"),
+                                   bf16_gemma], ids=["gpt2", "llama", "gemma2"])
+def test_a_bfloat16_model_passes_the_merge_check_and_a_bad_merge_still_fails(build):
+    """bfloat16 compute rounds the merged and unmerged paths apart by ~1e-2 here: the check runs in float32
+    (a bfloat16 run's good merge would otherwise fail), and a doubled LoRA scale is still caught."""
+    model = build()
+    methods.prepare(model, "lora", rngs=nnx.Rngs(0), options=methods.LoRA(rank=2))
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        var.set_value(0.3 * np.random.default_rng(len(path)).standard_normal(var.get_value().shape).astype(np.float32))
+    probe = tripwires.probe_tokens(97, 32)
+    result = tripwires.check_lora_merge(model, probe)
+    assert result["max_abs_diff"] <= result["tolerance"]
+    assert any(getattr(node, "dtype", None) is not None and np.dtype(node.dtype) == np.dtype("bfloat16")
+               for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module))  # the model itself untouched
+
+    def doubled(m):
+        for _, node in list(nnx.iter_graph(m)):
+            if isinstance(node, methods.LoRALinear):
+                node.scale *= 2
+        return methods.merge_lora(m)
+    with pytest.raises(tripwires.TripwireError, match="LoRA-merged model's logits differ"):
+        tripwires.check_lora_merge(model, probe, merge=doubled)
 
 
 SETTINGS = {"seed": 0, "steps": 2, "checkpoint_every": 2, "log_every": 1, "eval_every": 2, "eval_windows": 8,

@@ -17,15 +17,17 @@ Each failure raises `TripwireError` naming the parameter (or the logits' differe
 fine-tuning job (`jaxdp.training.finetune_job.run_tripwires`) records the result in summary.json, keeps every
 output of the run, and exits nonzero.
 
-The merge tolerance is `16 eps sqrt(width * merged) max(1, max |logits|)` (eps of the least precise of the
-logits' and the kernels' dtypes, width the widest merged input, merged the number of merged projections): the
-rounding of a merged product grows like the square root of the terms it sums. In float32 it is tight enough to
-catch a merge that drops a trained LoRA product; in bfloat16 at billions of parameters it catches gross errors
-only (a wrong scale on a large product, a wrong layer).
+The merge check computes both models in float32 (`in_float32`: a bfloat16 run's compute dtype set to float32
+on a copy; the parameters are float32 already), because bfloat16 compute rounds the merged and the unmerged
+paths apart by more than a small trained LoRA product moves the logits. Its tolerance is
+`16 eps sqrt(width * merged) max(1, max |logits|)` (eps of the least precise of the logits' and the kernels'
+dtypes, width the widest merged input, merged the number of merged projections): the rounding of a merged
+product grows like the square root of the terms it sums.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable
@@ -98,6 +100,22 @@ def merge_tolerance(logits: np.ndarray, dtypes, width: int, merged: int) -> floa
     return 16 * eps * math.sqrt(max(width, 1) * max(merged, 1)) * max(1.0, float(np.abs(logits).max()))
 
 
+def in_float32(model: nnx.Module) -> nnx.Module:
+    """A copy of `model` that computes in float32: every module's `dtype` attribute, and the `dtype` of every
+    module's dataclass `config`, set to float32 (the parameters are not cast: a bfloat16 parameter stays one,
+    and its eps enters the tolerance)."""
+    copy = nnx.clone(model)
+    for _, node in nnx.iter_graph(copy):
+        if not isinstance(node, nnx.Module):
+            continue
+        if getattr(node, "dtype", None) is not None:
+            node.dtype = jnp.float32
+        config = getattr(node, "config", None)
+        if dataclasses.is_dataclass(config) and getattr(config, "dtype", None) not in (None, "float32", "float64"):
+            node.config = dataclasses.replace(config, dtype="float32")
+    return copy
+
+
 def check_lora_merge(model: nnx.Module, tokens: np.ndarray,
                      merge: Callable[[nnx.Module], nnx.Module] | None = None) -> dict:
     """{"max_abs_diff", "tolerance", "merged"}: the logits of `merge(clone of model)` (default
@@ -107,6 +125,7 @@ def check_lora_merge(model: nnx.Module, tokens: np.ndarray,
     loras = [node for _, node in nnx.iter_graph(model) if isinstance(node, LoRALinear)]
     if not loras:
         raise TripwireError("the LoRA merge check found no LoRA projection in the trained model")
+    model = in_float32(model)  # a copy: bfloat16 compute rounds the two paths apart by far more than a merge
     logits = model(jnp.asarray(tokens))
     unmerged = np.asarray(jax.device_get(logits), np.float64)
     merged_model = (merge or merge_lora)(nnx.clone(model))
