@@ -1,10 +1,10 @@
-"""The fine-tuning job from HF Gemma 2 and Gemma 3 text checkpoints (issue 38): `config.finetune.init=<dir>`.
+"""The fine-tuning job from HF Gemma 2 and Gemma 3 checkpoints (issue 38): `config.finetune.init=<dir>`.
 
 A tiny checkpoint of each (save_hf of random weights, a tokenizer.json beside it) resolves to
 `config.model.family` gemma2 / gemma3_text with every field of its `GemmaConfig` (layer kinds, window shorter
 than the windows trained on, soft-caps, local / global RoPE bases, q/k norms), trains two DP steps with LoRA
 (q_proj and v_proj, the family's default) or full fine-tuning, and keeps every frozen weight bit for bit
-while the trained ones move.
+while the trained ones move. A multimodal Gemma 3 directory fine-tunes its text model.
 """
 
 import json
@@ -121,3 +121,36 @@ def test_gemma3_checkpoint_trains_dp_adapters(corpus_and_tokenizer, tmp_path):
     assert len(frozen) + len([p for p in trained if p[-1] == "scale"]) == len(weights)  # norms train (Houlsby)
     for path, value in frozen.items():  # bit for bit the checkpoint's
         np.testing.assert_array_equal(value, weights[tuple(k for k in path if k != "base")])
+
+
+def test_multimodal_gemma3_checkpoint_resolves_to_its_text_model(corpus_and_tokenizer, tmp_path):
+    """A Gemma3ForConditionalGeneration directory: the job fine-tunes its text model (config.model.family
+    gemma3_text, the text_config's shapes); the model it builds is the text model with its weights."""
+    from jaxdp.models.safetensors_io import read_safetensors, write_safetensors
+
+    corpus, tokenizer_dir = corpus_and_tokenizer
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    config = GemmaConfig(vocab_size=len(vocab), seq_len=32, n_layer=2, n_head=2, n_kv_head=1, d_model=16, d_ff=32,
+                         head_dim=8, sliding_window=8, family="gemma3_text", **FAMILY["gemma3_text"])
+    text = random_model(lambda: Gemma(config, rngs=nnx.Rngs(0)), seed=2)
+    save_hf(text, tmp_path / "text")
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    tensors = {"language_model.model." + k.removeprefix("model."): v
+               for k, v in read_safetensors(str(tmp_path / "text" / "model.safetensors")).items()}
+    tensors["vision_tower.vision_model.post_layernorm.weight"] = np.ones(4, np.float32)
+    write_safetensors(str(mm / "model.safetensors"), tensors, {"format": "pt"})
+    text_config = json.loads((tmp_path / "text" / "config.json").read_text())
+    (mm / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
+                                                "model_type": "gemma3", "text_config": text_config}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (mm / name).write_bytes((tokenizer_dir / name).read_bytes())
+    c = with_settings(finetune_config.get_config(), dict(SETTINGS, workdir=str(tmp_path / "run")),
+                      {"data.path": str(corpus), "finetune.init": str(mm),
+                       "data.cache_dir": str(tmp_path / "cache")})
+    resolved, kind = finetune_job.resolve(c)
+    assert kind == "hf" and resolved.model.family == "gemma3_text" and resolved.model.n_layer == 2
+    loaded = finetune_job._pretrained(str(mm), kind, config_lib.model_config(resolved.model, len(vocab),
+                                                                             dtype="float32", remat=False))
+    assert flat(loaded, nnx.Param).keys() == flat(text, nnx.Param).keys()
+    assert all(np.array_equal(v, flat(text, nnx.Param)[k]) for k, v in flat(loaded, nnx.Param).items())

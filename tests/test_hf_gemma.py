@@ -297,7 +297,7 @@ def test_transformers_5_rope_parameters_layout():
 
 @pytest.mark.parametrize("family, change, match", [
     ("gemma3_text", {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
-     r"model_type='gemma3' is not supported \(it is the multimodal Gemma3ForConditionalGeneration"),
+     "model_type 'gemma3' needs a text_config object"),
     ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported"),
     ("gemma2", {"attention_bias": True}, "attention_bias=True is not supported"),
     ("gemma2", {"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
@@ -436,3 +436,51 @@ def test_float64_per_example_grads_equal_reference(family):
                                                                                        vocab_size=VOCAB)))
     assert all(np.asarray(v).dtype == np.float64 for v in fast.values())
     assert max_rel_err(fast, ref) <= 1e-12, max_rel_err(fast, ref)
+
+
+def _multimodal(config, tensors, prefix):
+    """A multimodal gemma3 checkpoint (Gemma3ForConditionalGeneration) around the gemma3_text `config` / `tensors`:
+    the text model under `prefix`, a sparse text_config over Gemma3TextConfig's defaults, a vision tower and a
+    projector (random tensors under their names)."""
+    text = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "torch_dtype")}
+    rng = np.random.default_rng(19)
+    t = {prefix + k.removeprefix("model."): v for k, v in tensors.items()}
+    outer = "model." if prefix.startswith("model.") else ""  # transformers 5 nests every tower under model.
+    t[outer + "vision_tower.vision_model.embeddings.patch_embedding.weight"] = rng.standard_normal((8, 3, 2, 2))
+    t[outer + "multi_modal_projector.mm_input_projection_weight"] = rng.standard_normal((8, D))
+    t = {k: np.asarray(v, np.float32) for k, v in t.items()}
+    hf = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+          "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8}, "mm_tokens_per_image": 4,
+          "boi_token_index": 3, "eoi_token_index": 4, "image_token_index": 5}
+    return hf, t
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_multimodal_gemma3_loads_its_text_model(tmp_path, prefix):
+    """Gemma3ForConditionalGeneration (transformers < 5 and 5 names): the text model's logits equal the float64
+    forward of its tensors; the vision tower is skipped; save_hf writes a gemma3_text checkpoint of them."""
+    config = CONFIGS["gemma3_text"]
+    tensors = random_hf_gemma_tensors(config, seed=20)
+    hf, wrapped = _multimodal(config, tensors, prefix)
+    model = jaxdp.load_hf(write_hf_checkpoint(tmp_path / "mm", wrapped, hf))
+    assert model.config.family == "gemma3_text"
+    assert rel_err(logits_of(model, PROMPT), hf_gemma_forward_f64(tensors, PROMPT, config)) <= 1e-5
+    jaxdp.save_hf(model, tmp_path / "text")
+    assert saved_hf_config_if_bit_identical(tmp_path / "text", tensors)["model_type"] == "gemma3_text"
+    bad = dict(wrapped, **{prefix + "layers.0.mlp.extra.weight": np.zeros(2, np.float32)})
+    with pytest.raises(ValueError, match=r"unexpected tensor\(s\) \['layers.0.mlp.extra.weight'\]"):
+        jaxdp.load_hf(write_hf_checkpoint(tmp_path / "bad", bad, hf))
+
+
+def test_multimodal_text_config_defaults():
+    """The hub's gemma-3-4b text_config lists only what differs from Gemma3TextConfig: the rest are its defaults."""
+    hf = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+          "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                          "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                          "sliding_window": 1024}}
+    config = hf_gemma.config_from_hf(hf)
+    assert (config.vocab_size, config.n_head, config.n_kv_head, config.head_dim, config.seq_len) == (
+        262208, 8, 4, 256, 131072)
+    assert (config.rope_theta, config.rope_local_theta, config.rope_scaling) == (1e6, 1e4, 8.0)
+    assert config.layer_types[4:7] == ("sliding_attention", "full_attention", "sliding_attention")
+    assert config.tie_embeddings and config.final_softcap is None and config.query_pre_attn_scalar == 256

@@ -7,8 +7,9 @@ no `model_type` (`jaxdp.models.hf_checkpoint.model_type`):
   llama, mistral, qwen2, qwen3  -> `jaxdp.models.llama.Llama`  (`hf_llama`; the
                                    family is kept in `LlamaConfig.family`)
   gemma2, gemma3_text           -> `jaxdp.models.gemma.Gemma`  (`hf_gemma`; `GemmaConfig.family`)
+  gemma3                        -> its text model, a gemma3_text `Gemma` (the vision tower is not loaded)
 
-Anything else (the multimodal gemma3 wrapper, qwen2_moe, mixtral, ...), a config value the model
+Anything else (qwen2_moe, mixtral, ...), a config value the model
 does not implement, or a missing, extra or misshapen tensor is one ValueError
 naming the file and the key, raised before any tensor is copied or any
 compute runs. Nothing here reaches a network.
@@ -24,7 +25,6 @@ import os
 from flax import nnx
 
 from jaxdp.models import hf_checkpoint, hf_gemma, hf_gpt2, hf_llama
-from jaxdp.models.gemma import FAMILIES as GEMMA_FAMILIES
 from jaxdp.models.gemma import Gemma
 from jaxdp.models.gpt2 import GPT2
 from jaxdp.models.llama import Llama
@@ -49,7 +49,8 @@ def load_hf(path: str | os.PathLike, *, dtype: str = "float32", **compute) -> GP
       **compute: the other compute settings of the model's config: `remat`, `attention`.
 
     Returns:
-      a `GPT2` (model_type gpt2), a `Llama` (llama, mistral, qwen2, qwen3) or a `Gemma` (gemma2, gemma3_text).
+      a `GPT2` (model_type gpt2), a `Llama` (llama, mistral, qwen2, qwen3) or a `Gemma` (gemma2, gemma3_text,
+      and gemma3's text model).
 
     Raises:
       FileNotFoundError: a file is missing (the message names it).
@@ -57,7 +58,7 @@ def load_hf(path: str | os.PathLike, *, dtype: str = "float32", **compute) -> GP
         unexpected or wrongly shaped tensor (the message names the file and key).
     """
     kind = model_type(path)
-    load = (hf_gpt2.load_hf_gpt2 if kind == "gpt2" else hf_gemma.load_hf_gemma if kind in GEMMA_FAMILIES
+    load = (hf_gpt2.load_hf_gpt2 if kind == "gpt2" else hf_gemma.load_hf_gemma if kind in hf_gemma.MODEL_TYPES
             else hf_llama.load_hf_llama)
     return load(path, dtype=dtype, **compute)
 

@@ -32,12 +32,9 @@ Names = dict[str, tuple[tuple, bool]]
 # {transformers class in config.json's `architectures`: the model_type it is a checkpoint of}
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2",
-                 "Gemma3ForCausalLM": "gemma3_text"}
-MODEL_TYPES = tuple(dict.fromkeys(ARCHITECTURES.values()))  # what jaxdp loads: gpt2, llama, ..., gemma2, gemma3_text
-# model_types refused with a pointer to what does load
-REFUSED_HINTS = {"gemma3": "it is the multimodal Gemma3ForConditionalGeneration (gemma-3-4b and up: a vision tower "
-                           "beside the text model, under other tensor names); jaxdp loads the text-only "
-                           "'gemma3_text' checkpoints (Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b)"}
+                 "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3"}
+# what jaxdp loads: gpt2, llama, ..., gemma2, gemma3_text, gemma3 (its text model: `hf_gemma`)
+MODEL_TYPES = tuple(dict.fromkeys(ARCHITECTURES.values()))
 
 
 def read_config(path: str) -> dict:
@@ -73,8 +70,7 @@ def model_type(hf: dict, source: str, default: str | None = None) -> str:
             raise ValueError(f"{source}: no model_type, and architectures={architectures!r} names no one class of "
                              f"{sorted(ARCHITECTURES)}")
     if kind not in MODEL_TYPES:
-        hint = f" ({REFUSED_HINTS[kind]})" if kind in REFUSED_HINTS else ""
-        raise ValueError(f"{source}: model_type={kind!r} is not supported{hint}; jaxdp loads {MODEL_TYPES}")
+        raise ValueError(f"{source}: model_type={kind!r} is not supported; jaxdp loads {MODEL_TYPES}")
     if any(n != kind for n in named):
         raise ValueError(f"{source}: architectures={architectures!r} is a checkpoint of {named}, but "
                          f"model_type={kind!r}")

@@ -15,9 +15,13 @@ Config keys read, with HF's defaults when absent: the shapes; `head_dim` (256), 
 Gemma 3: none), RoPE in transformers < 5's layout (`rope_theta`, Gemma 3's `rope_local_base_freq` and
 `rope_scaling`) or transformers 5's `rope_parameters` (Gemma 3: one object per layer kind).
 
-Refused by name, before any tensor is read: the multimodal `gemma3` wrapper (Gemma3ForConditionalGeneration,
-gemma-3-4b and up: its text tower sits beside a vision tower under other names; convert to a gemma3_text
-checkpoint first); `hidden_activation` other than the tanh GELU; `attention_bias`; `attention_dropout` > 0;
+The multimodal `gemma3` checkpoints (Gemma3ForConditionalGeneration: gemma-3-4b, 12b, 27b) load as their text
+model: config.json's `text_config` over Gemma3TextConfig's defaults for the keys it leaves out (the hub's list
+only what differs), the tensors under `language_model.model.` (transformers < 5) or `model.language_model.`
+(transformers 5); the vision tower and the projector (`vision_tower.`, `multi_modal_projector.`) are skipped.
+`save_hf` of such a model writes a gemma3_text checkpoint (Gemma3ForCausalLM): the vision tower is not kept.
+
+Refused by name, before any tensor is read: `hidden_activation` other than the tanh GELU; `attention_bias`; `attention_dropout` > 0;
 `use_bidirectional_attention`; a RoPE scaling other than none (Gemma 2) or linear on the full-attention
 layers (Gemma 3); any RoPE scaling or base on sliding layers other than Gemma 3's plain local base; a Gemma 3
 `attn_logit_softcapping` (HF's Gemma3Attention does not pass it to every attention implementation: which
@@ -47,6 +51,13 @@ from jaxdp.models.hf_checkpoint import CONFIG_FILE
 OVERRIDABLE = ("dtype", "remat", "attention")  # compute settings; the shapes come from config.json
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_python_tanh")  # transformers' names of the tanh-approximate GELU
 _PREFIX = "model."
+MODEL_TYPES = (*FAMILIES, "gemma3")  # the model_types `load_hf_gemma` reads (gemma3: its text model)
+# Gemma3TextConfig's defaults for the shape keys a multimodal checkpoint's text_config may leave out
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                        "max_position_embeddings": 131072}
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")  # the text model in a gemma3 checkpoint
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 NAMES = {"gemma2": "Gemma 2", "gemma3_text": "Gemma 3"}
 _PROJECTIONS = {"self_attn.q_proj": ("attn", "q_proj"), "self_attn.k_proj": ("attn", "k_proj"),
@@ -142,9 +153,27 @@ def _cap(cfg: hf_checkpoint.ConfigReader, key: str, default: float | None) -> fl
     return None if value is None else cfg.positive(key, 1.0, value)
 
 
+def text_config(hf: dict, source: str) -> dict:
+    """The gemma3_text config.json dict of a multimodal gemma3 one: its `text_config` over Gemma3TextConfig's
+    defaults (`tie_word_embeddings` the wrapper's when it sets one)."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{source}: model_type 'gemma3' needs a text_config object, got {text!r}")
+    if text.get("model_type", "gemma3_text") != "gemma3_text":
+        raise ValueError(f"{source}: text_config.model_type={text['model_type']!r} is not supported; allowed: "
+                         "'gemma3_text'")
+    tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    out = {**GEMMA3_TEXT_DEFAULTS, **text, "model_type": "gemma3_text", "tie_word_embeddings": tie}
+    out.pop("architectures", None)
+    return out
+
+
 def config_from_hf(hf: dict, source: str = CONFIG_FILE, **overrides) -> GemmaConfig:
-    """`GemmaConfig` of an HF Gemma 2 or Gemma 3 text `config.json` dict; ValueError naming `source` and the key
-    for anything `jaxdp.models.gemma` does not compute as HF's class would (see the module doc)."""
+    """`GemmaConfig` of an HF Gemma 2 or Gemma 3 text `config.json` dict (or of a multimodal Gemma 3's text model);
+    ValueError naming `source` and the key for anything `jaxdp.models.gemma` does not compute as HF's class would
+    (see the module doc)."""
+    if hf_checkpoint.model_type(hf, source) == "gemma3":
+        hf, source = text_config(hf, source), f"{source} (text_config)"
     family = hf_checkpoint.model_type(hf, source)
     if family not in FAMILIES:
         raise ValueError(f"{source}: model_type={family!r} does not load into jaxdp's Gemma (it loads {FAMILIES})")
@@ -223,7 +252,8 @@ def config_to_hf(config: GemmaConfig) -> dict:
 
 
 def load_hf_gemma(path: str | os.PathLike, **config_overrides) -> Gemma:
-    """Loads an HF Gemma 2 or Gemma 3 text checkpoint directory into a `Gemma` (float32 parameters).
+    """Loads an HF Gemma 2 or Gemma 3 text checkpoint directory (or a multimodal Gemma 3's text model) into a
+    `Gemma` (float32 parameters).
 
     Args:
       path: directory with `config.json` and `model.safetensors` (or
@@ -236,8 +266,13 @@ def load_hf_gemma(path: str | os.PathLike, **config_overrides) -> Gemma:
         wrongly shaped tensor (the message names the file and the key).
     """
     path = os.fspath(path)
-    config = config_from_hf(hf_checkpoint.read_config(path), os.path.join(path, CONFIG_FILE), **config_overrides)
-    tensors, source = hf_checkpoint.read_tensors(path, _PREFIX)
+    hf, file = hf_checkpoint.read_config(path), os.path.join(path, CONFIG_FILE)
+    config = config_from_hf(hf, file, **config_overrides)
+    if hf_checkpoint.model_type(hf, file) == "gemma3":
+        tensors, source = hf_checkpoint.read_tensors(path, "")
+        tensors = _text_tensors(tensors)
+    else:
+        tensors, source = hf_checkpoint.read_tensors(path, _PREFIX)
     if config.tie_embeddings and "lm_head.weight" in tensors:
         head = tensors.pop("lm_head.weight")
         embed = tensors.get("embed_tokens.weight")
@@ -248,6 +283,21 @@ def load_hf_gemma(path: str | os.PathLike, **config_overrides) -> Gemma:
     return hf_checkpoint.load_state(abstract, tensors, source, hf_names(config),
                                     f"a {NAMES[config.family]} with n_layer={config.n_layer}, tie_word_embeddings="
                                     f"{str(config.tie_embeddings).lower()}")
+
+
+def _text_tensors(tensors: dict) -> dict:
+    """The text model's tensors of a multimodal gemma3 checkpoint, named as a gemma3_text one's (without
+    `model.`); the vision tower's and the projector's dropped; any other name kept (to be refused by name)."""
+    out = {}
+    for name, value in tensors.items():
+        if name.startswith(_OTHER_TOWERS):
+            continue
+        short = next((name.removeprefix(p) for p in _TEXT_PREFIXES if name.startswith(p)), name)
+        short = "lm_head.weight" if short == "language_model.lm_head.weight" else short
+        if short in out:
+            raise ValueError(f"{value[1]}: tensor {name!r} and another are both the text model's {short!r}")
+        out[short] = value
+    return out
 
 
 def save_hf_gemma(model: Gemma, path: str | os.PathLike, *, dtype: str = "float32") -> None:

@@ -116,7 +116,7 @@ def _init_model_and_tokenizer(init: str, kind: str) -> tuple[dict, str]:
         family = hf.get("model_type")
         if family not in HF_FAMILIES:
             raise ValueError(f"{source}: model_type must be one of {HF_FAMILIES}, got {family!r}")
-        reader = hf_gpt2 if family == "gpt2" else hf_gemma if family in config_lib.GEMMA_FAMILIES else hf_llama
+        reader = hf_gpt2 if family == "gpt2" else hf_gemma if family in hf_gemma.MODEL_TYPES else hf_llama
         c = reader.config_from_hf(hf, source)
     except (OSError, ValueError) as e:
         raise ConfigError(f"config.finetune.init: {e}") from None
