@@ -11,6 +11,8 @@ Properties:
 """
 
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,7 @@ from flax import nnx
 
 import jaxdp
 import jaxdp.core.reference
+from jaxdp.clipping import norms as norms_lib
 from jaxdp.clipping.settings import ClipSpec
 from jaxdp.core import _tape
 from jaxdp.finetune import methods
@@ -147,6 +150,19 @@ def test_scanned_dp_sums_equal_reference(monkeypatch):
         err = max_rel_err(unstacked(updates), refs[name][1])
         assert err <= RTOL, (name, err)
 
+    # The split route (a caller's squared_norms_fn, or the Pallas single pass): the stacked parameters
+    # clipped layer by layer under the unrolled paths, not by the vmapped rules.
+    name = "gpt2 per_layer remat full"
+    norms_fn = functools.partial(norms_lib.squared_norms_with_bound, strategy="ghost")
+
+    @nnx.jit
+    def split_sums(model, batch):
+        _, grads = jaxdp.per_example_grads(lm_loss, fallback=False)(model, batch)
+        return jaxdp.clipped_aggregate(grads, refs[name][0], clip=ClipSpec(clipping="per_layer"),
+                                       squared_norms_fn=norms_fn)[0]
+    sums = jax.tree.map(lambda s: s / EXPECTED_BATCH_SIZE, split_sums(cases[name][1], batch))
+    assert max_rel_err(unstacked(sums), refs[name][1]) <= RTOL
+
     # Planted errors inside the scan, on the per-layer GPT-2 case: the check above must catch each.
     one = {"gpt2 per_layer remat full": cases["gpt2 per_layer remat full"]}
     scan_slots = _tape._Tape.scan_slots
@@ -192,3 +208,23 @@ def test_job_runs_scanned_and_refuses_the_other_layout(tmp_path):
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
     for g, w in zip(got, want):
         assert g["train_loss"] == pytest.approx(w["train_loss"], rel=1e-4), (g, w)
+
+
+def test_finetune_reads_a_scanned_run_and_trains_unrolled(tmp_path):
+    """A pretraining run with scan_layers=True as fine-tuning's init: its model is read in its layout and handed
+    to the methods unrolled (they change blocks one by one), with the same function."""
+    import json
+
+    from jaxdp.training import config as config_lib
+    from jaxdp.training import finetune_job
+
+    model = {"family": "gpt2", "n_layer": 2, "n_head": 2, "d_model": 32, "mlp_ratio": 4, "max_seq_len": 16,
+             "scan_layers": True}
+    (tmp_path / "config.json").write_text(json.dumps({"model": model}))
+    source = config_lib.build_model(config_lib.model_config(model, 50, dtype="float32", remat="none"), 3)
+    run_dir.write_model(tmp_path / "model", source)
+    resolved = {k: v for k, v in model.items() if k != "scan_layers"}  # what resolve() takes from the init
+    loaded = finetune_job._pretrained(str(tmp_path), "run",
+                                      config_lib.model_config(resolved, 50, dtype="float32", remat="none"))
+    assert not layers.is_scanned(loaded)
+    assert_same_params(loaded, source)

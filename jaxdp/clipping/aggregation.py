@@ -16,6 +16,7 @@ import optax
 from jaxdp.clipping import device_rates, norm_costs
 from jaxdp.clipping import norms as norms_lib
 from jaxdp.clipping import rules as clipping_lib
+from jaxdp.clipping import stacked as stacked_lib
 from jaxdp.core import rows as rows_lib
 from jaxdp.core.terms import DenseTerm, FactoredGrad, as_factored, is_factored, is_stacked, pinned
 from jaxdp.noise import draws as noise_lib
@@ -133,9 +134,17 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
     check_norm_plan(norms)
     strategy, chunk_size = norms.strategy, norms.chunk_size
     leaf_paths, leaves, treedef = flatten_grads(grads)
-    paths, factored, counts = _per_layer(leaf_paths, leaves)  # a scanned model's layers one by one
+    # A scanned model's stacked parameters: one vmapped copy of the rules for all layers (`stacked`), or,
+    # where the kernel's single pass or a caller's norms need them apart, layer by layer (`_per_layer`).
+    vmapped = squared_norms_fn is None and strategy != "pallas"
+    stacked = {i: stacked_lib.pinned_layers(g) for i, g in enumerate(leaves) if vmapped and is_stacked(g)}
+    rest = [i for i in range(len(leaves)) if i not in stacked]
+    paths, factored, counts = _per_layer([leaf_paths[i] for i in rest], [leaves[i] for i in rest])
     groups = [clipping_lib.group_of(p, clip.clipping) for p in paths]
-    thresholds = clipping_lib.group_thresholds(groups, l2_norm_clip, clip.weights)
+    stacked_groups = {i: [clipping_lib.group_of(g.layer_path(leaf_paths[i], l), clip.clipping)
+                          for l in range(g.num_layers)] for i, g in stacked.items()}
+    thresholds = clipping_lib.group_thresholds(groups + [g for gs in stacked_groups.values() for g in gs],
+                                               l2_norm_clip, clip.weights)
     single, single_roots = {}, {}  # single_roots: the single-pass parameter's other terms' |T_i| summed
     if strategy == "pallas" and squared_norms_fn is None:
         from jaxdp.clipping import single_pass as single_pass_lib  # imports jax.experimental.pallas only when used
@@ -158,6 +167,10 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
                 single_roots[group] = roots
         sq_by_group[group] = sq if group not in sq_by_group else sq_by_group[group] + sq
         bound_by_group[group] = bound if group not in bound_by_group else bound_by_group[group] + bound
+
+    for i, grad in stacked.items():
+        sq_LB, bound_LB = stacked_lib.squared_norms(grad, norms)
+        _add_layers(sq_by_group, bound_by_group, stacked_groups[i], sq_LB, bound_LB)
 
     def factors_of(norms_B, group, keep_B):
         return clipping_lib.clip_factors(norms_B, thresholds[group], clip.clip_fn, clip.gamma, keep_B)
@@ -189,7 +202,21 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
         if rest:  # the tied embedding: its lookup term, clipped with the same factors
             part = part + clipping_lib.clipped_sum(FactoredGrad(rest), factors[group], pallas=True)
         sums.append(part)
-    return jax.tree.unflatten(treedef, _restacked(sums, counts, leaves)), guarded
+    split = iter(_restacked(sums, counts, [leaves[i] for i in rest]))
+    out = [stacked_lib.clipped_sums(stacked[i], jnp.stack([factors[g] for g in stacked_groups[i]]))
+           if i in stacked else next(split) for i in range(len(leaves))]
+    return jax.tree.unflatten(treedef, out), guarded
+
+
+def _add_layers(sq_by_group: dict, bound_by_group: dict, layer_groups: list, sq_LB, bound_LB) -> None:
+    """Adds layer l's squared norms and bounds to its group `layer_groups[l]` (one sum when all share one)."""
+    if len(set(layer_groups)) == 1:
+        parts = [(layer_groups[0], sq_LB.sum(axis=0), bound_LB.sum(axis=0))]
+    else:
+        parts = [(g, sq_LB[l], bound_LB[l]) for l, g in enumerate(layer_groups)]
+    for g, sq, bound in parts:
+        sq_by_group[g] = sq if g not in sq_by_group else sq_by_group[g] + sq
+        bound_by_group[g] = bound if g not in bound_by_group else bound_by_group[g] + bound
 
 
 # Materialised per-example gradients: small dense ones (biases, norm scales) and the G_b that strategy
