@@ -43,7 +43,7 @@ from jaxdp.data import windows as data_lib
 from jaxdp.finetune import methods as finetune
 from jaxdp.finetune import settings as finetune_settings
 from jaxdp.finetune import targets as family_targets
-from jaxdp.models import hf_checkpoint, hf_gemma, hf_gpt2, hf_llama
+from jaxdp.models import hf_checkpoint, hf_gemma, hf_gpt2, hf_llama, layers
 from jaxdp.models.gemma import GemmaConfig
 from jaxdp.models.llama import LlamaConfig
 from jaxdp.noise import draws as noise_lib
@@ -109,6 +109,7 @@ def _init_model_and_tokenizer(init: str, kind: str) -> tuple[dict, str]:
         if not (path / MODEL_DIR / PARAMS_FILE).is_file() and latest_checkpoint_meta(path / CHECKPOINT_DIR) is None:
             raise ConfigError(f"config.finetune.init {init!r} has no parameters yet (neither {MODEL_DIR}/{PARAMS_FILE} "
                               f"nor a checkpoint in {CHECKPOINT_DIR}/)")
+        model.pop("scan_layers", None)  # fine-tuning trains the unrolled layout; `_pretrained` reads either
         return model, str((path / TOKENIZER_DIR).resolve())
     source = str(path / hf_checkpoint.CONFIG_FILE)
     try:
@@ -190,10 +191,12 @@ def _pretrained(init: str, kind: str, model_config) -> nnx.Module:
                 if isinstance(model_config, GemmaConfig) else hf_gpt2.load_hf_gpt2)
         return load(init, dtype=model_config.dtype, remat=model_config.remat)
     path = pathlib.Path(init).expanduser()
-    model = config_lib.build_model(model_config, 0)  # overwritten by the run's parameters
+    # built in the init run's layout (its checkpoint holds that one), then unrolled: the methods change blocks
+    scanned = bool(json.loads((path / CONFIG_FILE).read_text())["model"].get("scan_layers", False))
+    model = config_lib.build_model(dataclasses.replace(model_config, scan_layers=scanned), 0)  # overwritten below
     if not read_trained(path, model):
         raise ConfigError(f"config.finetune.init {init!r} has no parameters ({MODEL_DIR}/ or a checkpoint)")
-    return model
+    return layers.unrolled(model)
 
 
 def prepare(config, *, progress=None, notice=None) -> Prepared:
