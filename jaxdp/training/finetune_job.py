@@ -193,7 +193,9 @@ def _pretrained(init: str, kind: str, model_config) -> nnx.Module:
     path = pathlib.Path(init).expanduser()
     # built in the init run's layout (its checkpoint holds that one), then unrolled: the methods change blocks
     scanned = bool(json.loads((path / CONFIG_FILE).read_text())["model"].get("scan_layers", False))
-    model = config_lib.build_model(dataclasses.replace(model_config, scan_layers=scanned), 0)  # overwritten below
+    if scanned:  # (a family without the switch never recorded it)
+        model_config = dataclasses.replace(model_config, scan_layers=True)
+    model = config_lib.build_model(model_config, 0)  # overwritten by the run's parameters
     if not read_trained(path, model):
         raise ConfigError(f"config.finetune.init {init!r} has no parameters ({MODEL_DIR}/ or a checkpoint)")
     return layers.unrolled(model)
