@@ -19,6 +19,7 @@ import pytest
 from jaxdp.accounting import mechanisms as mf
 from jaxdp.auditing import runs as audit_runs
 from jaxdp.auditing.settings import BlackBoxSettings, Claim, WhiteBoxSettings
+from jaxdp.noise import strategies
 from jaxdp.noise.mechanisms import BLT, BandMF
 from jaxdp.noise.privatizer import GaussianPrivatizer
 
@@ -98,10 +99,31 @@ def test_the_audit_job_audits_bandmf_and_refuses_what_it_cannot():
                "--config.seed=0")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("one-run audit (white_box") and "claimed epsilon  2" in out.stdout
-    for flags, needle in ((["--config.dp.mechanism=auto"], "config.dp.mechanism must be 'dpsgd', or"),
-                          (["--config.dp.mechanism=bandmf"], "config.dp.mechanism must be 'dpsgd', or"),
-                          (["--config.dp.mechanism=bandmf", "--config.dp.bands=2", "--config.audit.kind=black_box"],
-                           "config.dp.mechanism must be 'dpsgd' for the black-box audit")):
-        out = _job(*flags)
-        assert out.returncode == 2 and needle in out.stderr, (flags, out.stderr[-2000:])
-        assert len([line for line in out.stderr.splitlines() if line.startswith("error:")]) == 1
+    out = _job("--config.dp.mechanism=auto")  # refused before any compute: one line, status 2
+    assert out.returncode == 2 and "config.dp.mechanism must be 'dpsgd', or" in out.stderr, out.stderr[-2000:]
+    assert len([line for line in out.stderr.splitlines() if line.startswith("error:")]) == 1
+    import importlib.util
+    path = pathlib.Path(__file__).parents[1] / "experiments" / "configs" / "audit.py"
+    spec = importlib.util.spec_from_file_location("audit_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    with config.unlocked():
+        config.dp.mechanism, config.dp.bands = "bandmf", 2
+    with pytest.raises(ValueError, match="config.dp.mechanism must be 'dpsgd' for the black-box audit"):
+        audit_runs.check_audit_config(config)
+
+
+@pytest.mark.parametrize("name", sorted(CLAIMS))
+def test_the_matched_filters_see_each_groups_signal_through_white_noise(name):
+    """v_g^T C^{-1} z has the variance of one draw for every g (the noise is the same whatever the group), and
+    v_g^T 1_g = ||C 1_g||, the norm of a group-g unit's contribution through C: for the group of step 0 the
+    claim's sensitivity (BandMF: sqrt(2 rounds) ||c||; BLT: its min-separation sensitivity)."""
+    claim = CLAIMS[name]
+    filters = audit_runs._matched_filters(claim.noise_mechanism, STEPS, claim.cycle_length)
+    c = strategies.strategy_matrix(claim.noise_mechanism, STEPS)
+    np.testing.assert_allclose(np.linalg.norm(filters @ np.linalg.inv(c), axis=1), 1.0, rtol=1e-12)
+    first = (np.arange(STEPS) % claim.cycle_length == 0).astype(float)
+    record = claim.accounting(1.0, STEPS)
+    want = record.strategy_sensitivity * (math.sqrt(record.rounds) if name != "blt" else 1.0)
+    assert filters[0] @ first == pytest.approx(want, rel=1e-9)

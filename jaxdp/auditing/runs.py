@@ -12,12 +12,13 @@ with probability 1/2, and, like every data record, Poisson-sampled into each
 step with probability q. The score of a canary is the inner product of its
 CLIPPED gradient with the total parameter change, sign-flipped so that
 "trained on" scores high (`jaxdp.auditing.bound.gradient_scores`). Under a
-correlated noise mechanism the change is the steps' updates weighted by the
-column sums of its strategy C over the audited steps, w = C^T 1 (w = 1 for
-DP-SGD: the total change): that is 1^T C applied to the sequence of released
-updates, whose noise C x = z is white, a post-processing of what the step
-releases, which its guarantee covers (the total change alone would see the
-canary through C^{-1}'s correlated noise, a weaker test).
+correlated noise mechanism (strategy C over the audited steps, b groups) the
+score is the largest over the groups g of a matched filter of the sequence
+of updates U: <canary, v_g^T U> with v_g = C^T C 1_g / ||C 1_g||, 1_g the
+steps of group g. It reads the canary's signal C 1_g through the whitened
+updates C U (noise C x = z, white) and has the same noise for every g; it is
+a function of the released updates only (not of the secret partition), which
+the guarantee covers. DP-SGD (C = I, one group) keeps the total change.
 
 The run claims epsilon = `jaxdp.accounting.epsilon(sigma, q, steps, delta)`
 (PLD unless `accountant="rdp"`); clipping, clip_fn and secure_noise are the
@@ -147,6 +148,17 @@ def _privatizer(claim: Claim, bug: str, noise_multiplier: float, *, expected_bat
     return fused_clip(l2_norm_clip, noise_multiplier / _NO_CLIP_FACTOR, **kw)
 
 
+def _matched_filters(mechanism, steps: int, cycle_length: int) -> np.ndarray:
+    """(groups, steps): v_g = C^T C 1_g / ||C 1_g|| for each group g with a step among `steps` (module
+    docstring); a group's filter applied to the updates has the noise of one draw z_t, whatever g."""
+    c_TT = strategies.strategy_matrix(mechanism, steps)
+    out = []
+    for g in range(min(cycle_length, steps)):
+        signal_T = c_TT @ (np.arange(steps) % cycle_length == g)
+        out.append(c_TT.T @ signal_T / np.linalg.norm(signal_T))
+    return np.array(out)
+
+
 def _check_types(settings, settings_cls, claim) -> None:
     if not isinstance(settings, settings_cls):
         raise TypeError(f"settings must be a {settings_cls.__name__}, got {type(settings).__name__}: {settings!r}")
@@ -197,7 +209,7 @@ def white_box_audit(*, settings: WhiteBoxSettings = WhiteBoxSettings(), claim: C
                      optax.sgd(settings.learning_rate))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     kernel_before = np.asarray(model.linear.kernel[...])
-    weights = strategies.strategy_matrix(claim.noise_mechanism, steps).sum(axis=0)  # w = C^T 1
+    filters_GT = _matched_filters(claim.noise_mechanism, steps, claim.cycle_length)
     grads_fn = per_example_grads(_losses)
     onehot_p_MP = jax.nn.one_hot(p_M, side)
     g_M1D = canary_norm * jax.nn.one_hot(d_M, side)[:, None, :]
@@ -208,18 +220,21 @@ def white_box_audit(*, settings: WhiteBoxSettings = WhiteBoxSettings(), claim: C
         grads = _with_canaries(grads, (present_M[:, None] * onehot_p_MP)[:, None, :], g_M1D)
         optimizer.update(model, grads)
 
-    weighted = np.zeros(kernel_before.shape, np.float64)  # sum_t w_t (kernel after step t - before it)
+    filtered = np.zeros((len(filters_GT), *kernel_before.shape))  # sum_t v_g[t] (kernel after step t - before)
     for t in range(steps):
         batch = {"x": x_NP, "y": y_N, "mask": (rng.random(n) < q) & (group_N == t % b)}
         present_M = (included & (rng.random(m) < q) & (group_M == t % b)).astype(np.float32)
         before = np.asarray(model.linear.kernel[...], np.float64)
         step(model, optimizer, batch, present_M)
-        weighted += weights[t] * (np.asarray(model.linear.kernel[...], np.float64) - before)
+        if claim.noise_kind != "dpsgd":
+            filtered += filters_GT[:, t, None, None] * (np.asarray(model.linear.kernel[...], np.float64) - before)
 
-    # DP-SGD (w = 1): the total change itself, as the kernel's difference (bit for bit the score it always had).
-    change = np.asarray(model.linear.kernel[...]) - kernel_before if claim.noise_kind == "dpsgd" else weighted
-    # <clipped canary gradient, total change>, negated: min(canary_norm, C) * -change[p_i, d_i].
-    scores = -min(canary_norm, l2_norm_clip) * change[p_M, d_M]
+    if claim.noise_kind == "dpsgd":  # the total change, as the kernel's difference (the score it always had)
+        change_GPD = (np.asarray(model.linear.kernel[...]) - kernel_before)[None]
+    else:
+        change_GPD = filtered
+    # <clipped canary gradient, change>, negated: min(canary_norm, C) * -change[p_i, d_i]; the best group's.
+    scores = (-min(canary_norm, l2_norm_clip) * change_GPD[:, p_M, d_M]).max(axis=0)
     audit = auditing.epsilon_lower_bound(scores, included, delta=claim.delta, ks=settings.ks,
                                          confidence=settings.confidence)
     return WhiteBoxAudit(audit=audit, claimed_epsilon=claimed, noise_multiplier=sigma, sampling_probability=q,
