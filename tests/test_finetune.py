@@ -25,6 +25,7 @@ import jaxdp.core.losses
 import jaxdp.core.reference  # the vmap oracle: not exported by jaxdp
 from jaxdp.finetune import methods as finetune
 from jaxdp.finetune.settings import Adapters, LoRA, Prompt, Reversible, Side
+from jaxdp.models import layers
 from jaxdp.models.gpt2 import GPT2, GPT2Config
 from jaxdp.models.llama import Llama, LlamaConfig
 from jaxdp.clipping.settings import ClipSpec, NormPlan
@@ -327,3 +328,28 @@ def test_reversible_equals_stored_activation_reference(dtype, n_layer, keep_stre
         assert any("lora_b" in p for p in expected) and any(p[0] == "adapters" for p in expected)
         assert rel_err(numpy_by_path(sums["fast"]), expected) <= RTOL, clipping
     assert rel_err(numpy_by_path(out["flat"]["fast"]), numpy_by_path(out["flat"]["planted"])) > 10 * RTOL
+
+
+@pytest.mark.parametrize("method", ["lora", "adapter", "bitfit"])
+def test_methods_on_a_scanned_model_equal_the_reference(method):
+    """`prepare` on a model with stacked blocks (scan_layers=True) adds the method's modules to every block and
+    restacks them: the trainable parameters lead with the layer axis, and the clipped sums (flat and per layer)
+    equal the vmap reference's. "side" and "reversible" wrap unrolled blocks and are refused by name."""
+    config = dataclasses.replace(tiny_config(n_layer=2), scan_layers=True)
+    model = random_model(lambda: finetune.prepare(GPT2(config, rngs=nnx.Rngs(3)), method, rngs=nnx.Rngs(4),
+                                                  options=OPTIONS.get(method)), 3)
+    assert model.config.scan_layers
+    block_params = [v for p, v in by_path(nnx.state(model, nnx.Param)).items() if p[0] == "blocks"]
+    assert block_params and all(v.shape[0] == 2 for v in block_params)
+    batch = lm_batch(seed=5, B=5, T=12)
+    scanned = clipped_sums_some_clipped(model, batch)
+    # The reference groups by leaf, so its per-layer clipping of a stacked leaf is one group; the unrolled
+    # model with the same values has the groups per-layer clipping means (the C chosen is the same: flat norms).
+    unrolled = clipped_sums_some_clipped(layers.unrolled(model), batch)
+    for clipping in scanned:
+        fast = {}
+        for p, v in numpy_by_path(scanned[clipping]["fast"]).items():
+            fast.update({(p[0], i) + p[1:]: v[i] for i in range(2)} if p[0] == "blocks" else {p: v})
+        assert rel_err(fast, numpy_by_path(unrolled[clipping]["expected"])) <= RTOL, clipping
+    with pytest.raises(ValueError, match="'side' wraps the blocks of an unrolled GPT-2"):
+        finetune.prepare(GPT2(config, rngs=nnx.Rngs(3)), "side", rngs=nnx.Rngs(4))

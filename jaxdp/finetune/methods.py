@@ -55,6 +55,7 @@ from flax import nnx
 from jaxdp.core import nn
 from jaxdp.finetune import targets as family_targets
 from jaxdp.finetune.settings import Adapters, LoRA, Prompt, Reversible, Side, accepts_flat_keywords, check_options
+from jaxdp.models import layers
 from jaxdp.models.gpt2 import GPT2
 from jaxdp.models.ladder_side import LadderSideGPT2
 from jaxdp.models.llama import Llama
@@ -292,10 +293,16 @@ def prepare(model: nnx.Module, method: str, *, rngs: nnx.Rngs,
 
     Returns:
       `model` (for "side" and "reversible", the network holding it as `backbone`), whose
-      `nnx.Param`s are exactly the method's trainable parameters.
+      `nnx.Param`s are exactly the method's trainable parameters. A scanned model (`scan_layers=True`)
+      comes back as a new scanned model holding the method's modules in every block: use the returned model.
     """
     check_method(method, "gpt2" if isinstance(model, GPT2) else type(model).__name__)
     options = check_options(method, options)
+    if layers.is_scanned(model):  # the method's modules are added block by block, then the blocks restacked
+        if method in ("side", "reversible"):
+            raise ValueError(f"method {method!r} wraps the blocks of an unrolled GPT-2: build the model with "
+                             "scan_layers=False")
+        return layers.scanned(prepare(layers.unrolled(model), method, rngs=rngs, options=options))
     if method == "lora":
         _add_lora(model, options, rngs)
     elif method == "adapter":
@@ -313,6 +320,6 @@ def prepare(model: nnx.Module, method: str, *, rngs: nnx.Rngs,
     train_layer_norms = options.train_layer_norms if method == "adapter" else True
     model = freeze(model, trainable_filter(method, train_layer_norms=train_layer_norms))
     if not trainable_paths(model):
-        raise ValueError(f"method {method!r} leaves no trainable parameter in this {type(model).__name__} "
-                         "(bitfit trains biases: Llama has none)")
+        why = " (bitfit trains biases, and it has none)" if method == "bitfit" else ""
+        raise ValueError(f"method {method!r} leaves no trainable parameter in this {type(model).__name__}{why}")
     return model
