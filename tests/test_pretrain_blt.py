@@ -167,6 +167,21 @@ def test_noise_buffer_budget_skips_candidates_over_it():
     assert none.candidate.kind == "dpsgd"  # no buffers: always fits
 
 
+def test_the_memory_plan_counts_blt_buffers(corpus, tmp_path):
+    """config.memory_budget_gb's compiled step holds BLT's buffers (known from config.dp.blt_buffers alone):
+    at least 4 x blt_buffers x parameters more than DP-SGD's step (no jax_privacy needed for the shapes)."""
+    from flax import nnx
+
+    from jaxdp.training.config import build_model, model_config
+    cfg = tiny_config(corpus, tmp_path / "run", **{"dp.mechanism": "blt", "dp.blt_buffers": 4})
+    mechanism = noise_choice.planned_mechanism(cfg)
+    assert isinstance(mechanism, mechanisms.BLT) and mechanism.num_buffers == 4
+    model = nnx.eval_shape(lambda: build_model(model_config(cfg.model, 300, dtype=cfg.dtype, remat=cfg.remat), 0))
+    n = preparation._trainable_parameters(cfg, 300, None)
+    extra = steps.compiled_step_bytes(cfg, model, 8, 1, mechanism) - steps.compiled_step_bytes(cfg, model, 8, 1)
+    assert extra >= 4 * 4 * n
+
+
 # ------------------------------------------------------------------ the job
 
 

@@ -204,7 +204,7 @@ def _validate_mechanism(config) -> None:
     _require(budget is None or (isinstance(budget, (int, float)) and not isinstance(budget, bool)
                                 and 0 <= budget < math.inf),
              f"config.dp.noise_buffer_gb must be None (no limit) or a number of GiB >= 0, got {budget!r}")
-    _require(mechanism == "dpsgd" or bands or config.memory_budget_gb is None or not dp.enabled,
+    _require(mechanism in ("dpsgd", "blt") or bands or config.memory_budget_gb is None or not dp.enabled,
              f"config.memory_budget_gb counts the noise buffers, whose number the planner would choose "
              f"(config.dp.mechanism={mechanism!r}, config.dp.bands None): set config.dp.bands")
     _require(mechanism != "auto" or not dp.enabled or dp.noise_multiplier is None,
@@ -319,6 +319,10 @@ def validate_config(config) -> None:
     _require(dp.strategy in strategies,
              f"config.dp.strategy must be one of {strategies}, got {dp.strategy!r}")
     _require(dp.method in METHODS, f"config.dp.method must be one of {METHODS}, got {dp.method!r}")
+    _require(not config.model.get("scan_layers", False) or (dp.method != "two_pass" and dp.strategy != "reference"),
+             f"config.model.scan_layers=True needs config.dp.method='bookkeeping' and a config.dp.strategy other than "
+             f"'reference', got {dp.method!r} / {dp.strategy!r}: the two-pass norms and the vmap baseline do not see "
+             "a scanned model's layers apart; or set config.model.scan_layers=False")
     if dp.method == "two_pass":
         _require(dp.clipping == "flat",
                  f"config.dp.method='two_pass' needs config.dp.clipping='flat', got {dp.clipping!r}")
