@@ -202,6 +202,10 @@ def test_job_runs_scanned_and_refuses_the_other_layout(tmp_path):
                           verbose=False) == {"interrupted_at": 2}
     with pytest.raises(ConfigError, match="differs in: model.scan_layers"):
         training.prepare(tiny_config(corpus, scanned, **kw))
+    for method, strategy in (("two_pass", "auto"), ("bookkeeping", "reference")):
+        with pytest.raises(ConfigError, match="scan_layers=True needs"):
+            training.prepare(tiny_config(corpus, tmp_path / method, **kw, **{
+                "model.scan_layers": True, "dp.method": method, "dp.strategy": strategy}))
     training.train(tiny_config(corpus, scanned, **kw, **{"model.scan_layers": True}), verbose=False)
     training.train(tiny_config(corpus, tmp_path / "unrolled", **kw), verbose=False)
     got, want = training.read_metrics(scanned), training.read_metrics(tmp_path / "unrolled")
@@ -228,3 +232,24 @@ def test_finetune_reads_a_scanned_run_and_trains_unrolled(tmp_path):
                                       config_lib.model_config(resolved, 50, dtype="float32", remat="none"))
     assert not layers.is_scanned(loaded)
     assert_same_params(loaded, source)
+
+
+def test_sharded_step_on_scanned_model_equals_single_device():
+    """ShardedDPStep (8 fake devices: data 4 x seq 2, ZeRO-3, per-layer clipping) on the scanned GPT-2 equals the
+    single-device step of the unrolled model: the privatised gradient and the parameters after one DP-Adam step.
+    Under seq > 1 the stacked parameters take the layer-by-layer route (its norms come from sequence shards)."""
+    import test_sharding as ts
+
+    from jaxdp import sharding
+    from jaxdp.clipping.settings import DPSpec
+
+    model, loss_fn, batch = ts.setup("gpt2cp")
+    expected_grads, expected_params = ts.reference("gpt2cp")[("per_layer", 0.0)]
+    step = sharding.ShardedDPStep(loss_fn, ts.adam(), sharding.make_mesh(4, 2),
+                                  DPSpec(l2_norm_clip=ts.C, noise_multiplier=0.0, expected_batch_size=ts.EBS,
+                                         clip=ClipSpec(clipping="per_layer")), key=jax.random.key(7), zero_stage=3)
+    new_state, out = step(step.init(layers.scanned(model)), batch)
+    assert max_rel_err(unstacked(out["grads"]), expected_grads) <= ts.RTOL
+    assert max_rel_err(unstacked(new_state.params), expected_params) <= ts.RTOL
+    kernel = by_path(step.layout.param_specs)[("blocks", "attn", "c_attn", "kernel")]
+    assert sharding.DATA in kernel  # ZeRO-3: the stacked kernel sharded over data
