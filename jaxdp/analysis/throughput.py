@@ -1,6 +1,8 @@
 """One full DP-Adam step per method, and its measurement: compile time, memory, tokens/s, or a roofline.
 
-A configuration is a dict: `model` (a `GPT2Config.preset` name), `B`, `T`, `method`, `dtype`, `vocab`,
+A configuration is a dict: `model` (a `GPT2Config.preset` name, or "llama-<preset>" for a `LlamaConfig.preset`:
+llama-1B, llama-8B, ...), optionally `scan` (True: `scan_layers`, the blocks stacked and run by lax.scan), `B`,
+`T`, `method`, `dtype`, `vocab` (GPT-2's vocabulary; a Llama keeps its preset's, the tokens are drawn below `vocab`),
 `attention`, `steps` (timed steps per repeat; 0: compile and memory analysis only), `warmup`, optionally
 `target` (a GPU kind to compile for without one: predictions only), `profile_dir` and `mechanism` (the noise
 mechanism of a fused_clip method, `mechanism_of`: "dpsgd", the default, or "bandmf:<b>" / "blt:<k>", whose
@@ -46,8 +48,8 @@ _STRATEGY = {"explicit": "auto", "ghost": "ghost", "store": "store", "auto": "au
 
 def mechanism_of(name: str | None):
     """The noise mechanism a benchmark row names: None or "dpsgd": DP-SGD; "bandmf:<b>": BandMF with `b` bands
-    (`jaxdp.noise.strategies.bandmf(1024, b)`); "blt:<k>": a BLT with `k` buffers (fixed decays and scales:
-    its cost does not depend on their values, and no jax_privacy is needed). Raises ValueError otherwise."""
+    (`jaxdp.noise.strategies.bandmf(1024, b)`); "blt:<k>": a BLT with `k` buffers (fixed decays, scales and
+    sensitivity: its cost does not depend on their values, and no jax_privacy is needed). Raises ValueError otherwise."""
     from jaxdp.noise import mechanisms, strategies
     kind, _, size = (name or "dpsgd").partition(":")
     if kind == "dpsgd" and not size:
@@ -56,7 +58,7 @@ def mechanism_of(name: str | None):
         k = int(size)
         if kind == "bandmf":
             return strategies.bandmf(max(1024, k), k)
-        return mechanisms.BLT(tuple(0.5 ** (i + 1) for i in range(k)), tuple(0.1 for _ in range(k)))
+        return mechanisms.BLT(tuple(0.5 ** (i + 1) for i in range(k)), tuple(0.1 for _ in range(k)), 1.0)
     raise ValueError(f"mechanism must be 'dpsgd', 'bandmf:<bands>' or 'blt:<buffers>', got {name!r}")
 
 
@@ -119,10 +121,20 @@ def lm_losses(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean(-1)
 
 
+def model_config(cfg: dict):
+    """The `GPT2Config` or `LlamaConfig` of a configuration's `model`, `T`, `dtype`, `attention`, `scan`."""
+    from jaxdp.models.gpt2 import GPT2Config
+    from jaxdp.models.llama import LlamaConfig
+    common = dict(dtype=cfg["dtype"], attention=cfg["attention"], scan_layers=bool(cfg.get("scan", False)))
+    if cfg["model"].startswith("llama-"):
+        return LlamaConfig.preset(cfg["model"][len("llama-"):], seq_len=max(cfg["T"], 64), **common)
+    return GPT2Config.preset(cfg["model"], seq_len=cfg["T"], vocab_size=cfg["vocab"], **common)
+
+
 def step_fn(cfg: dict):
     """(jitted step(state, batch, key) -> state, its abstract arguments, a function building the real ones).
 
-    The step is one DP-Adam (lr 1e-4) update of a GPT-2 preset with the configuration's method. Compiling
+    The step is one DP-Adam (lr 1e-4) update of the configuration's model with its method. Compiling
     from shapes keeps a held process's device memory free for the process being timed; with
     `cfg["target"]` the arguments are placed on that GPU's deviceless devices.
     """
@@ -131,16 +143,15 @@ def step_fn(cfg: dict):
     import optax
     from flax import nnx
 
-    from jaxdp.models.gpt2 import GPT2, GPT2Config
+    from jaxdp.models import registry
 
     method, B, T = cfg["method"], cfg["B"], cfg["T"]
-    config = GPT2Config.preset(cfg["model"], seq_len=T, dtype=cfg["dtype"], vocab_size=cfg["vocab"],
-                               attention=cfg["attention"])
+    config = model_config(cfg)
     dp_tx, grads_of = dp_gradients(method, lm_losses, expected_batch_size=float(B), mechanism=cfg.get("mechanism"))
     tx = optax.chain(dp_tx, optax.adam(1e-4)) if method not in ("non_dp", "two_pass") else optax.adam(1e-4)
 
     def build():
-        model = GPT2(config, rngs=nnx.Rngs(0))
+        model = registry.build(config, nnx.Rngs(0))
         return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
