@@ -5,9 +5,12 @@
     python -m experiments.bench_throughput --smoke          # tiny GPT-2 on CPU, seconds
     python -m experiments.bench_throughput --target=h100 --configs=small:4:1024 --methods=auto \
         --mechanisms=dpsgd,bandmf:4,bandmf:8,bandmf:16     # the noise buffers' cost
+    python -m experiments.bench_throughput --configs=small:2:256,llama-1B:1:256 --methods=auto --steps=0 \
+        --layouts=unrolled,scan                           # compile seconds, DP vs non-DP, unrolled vs scanned
 
-Configurations are `model:micro_batch:seq_len` (default: GPT-2 small at seq 1024 with micro-batch
-4 and 16, and at seq 16384 with micro-batch 1); the methods and what each row measures are
+Configurations are `model:micro_batch:seq_len`, model a GPT-2 preset or llama-<preset> (default: GPT-2
+small at seq 1024 with micro-batch 4 and 16, and at seq 16384 with micro-batch 1), each in the `--layouts`
+asked (unrolled blocks, or stacked and scanned: "(scan)" in the table); the methods and what each row measures are
 `jaxdp.analysis.throughput`'s. Every configuration runs in its own process so its peak memory is
 clean; the parent prints a markdown table (ratios to non_dp of the same configuration) and writes
 JSON. With `--jobs=N` all compile first, N at a time, then each is timed alone
@@ -49,6 +52,8 @@ WAIT_FOR = flags.DEFINE_string("wait_for", None, "with --jobs > 1: before timing
                                 "file exists (e.g. GPU tests run beside the compiles write it when done)")
 PROFILE_DIR = flags.DEFINE_string("profile_dir", None, "also trace 3 steps per configuration (jax.profiler) under "
                                    "this folder and print where the GPU time goes (jaxdp/analysis/profile.py)")
+LAYOUTS = flags.DEFINE_list("layouts", ["unrolled"], "the blocks' layouts to compile: unrolled, scan "
+                             "(scan_layers: stacked, run by lax.scan)")
 MECHANISMS = flags.DEFINE_list("mechanisms", ["dpsgd"], "noise mechanisms of each fused_clip method: dpsgd, "
                                 "bandmf:<bands>, blt:<buffers> (jaxdp.analysis.throughput.mechanism_of)")
 HOLD = flags.DEFINE_boolean("hold", False, "internal: after compiling, print COMPILED and wait for a line on stdin")
@@ -120,6 +125,8 @@ def main(argv):
     methods = ["non_dp"] + [m for m in METHODS_FLAG.value if m != "non_dp"]
     if unknown := sorted(set(methods).union(*(c[3] or () for c in configs)) - set(tp.ALL_METHODS)):
         raise app.UsageError(f"--methods: unknown {unknown}; allowed: {', '.join(tp.ALL_METHODS)}")
+    if unknown := sorted(set(LAYOUTS.value) - {"unrolled", "scan"}):
+        raise app.UsageError(f"--layouts: unknown {unknown}; allowed: unrolled, scan")
     for name in MECHANISMS.value:
         try:
             tp.mechanism_of(name)
@@ -138,8 +145,10 @@ def main(argv):
         print("|---|---|---|---|---|---|---|---|---|---|---|")
     cfgs = [dict(model=model, B=B, T=T, method=method, dtype=dtype, vocab=vocab, attention=attention, steps=steps,
                  warmup=warmup, target=target, profile_dir=PROFILE_DIR.value,
-                 **({} if mechanism == "dpsgd" else {"mechanism": mechanism}))
+                 **({} if mechanism == "dpsgd" else {"mechanism": mechanism}),
+                 **({"scan": True} if layout == "scan" else {}))
             for model, B, T, config_methods in configs
+            for layout in LAYOUTS.value
             for method in ["non_dp"] + [m for m in config_methods or methods if m != "non_dp"]
             for mechanism in (["dpsgd"] if method in ("non_dp", "two_pass") else MECHANISMS.value)]
     rows, base, held = [], None, JOBS.value > 1 and not target
@@ -149,7 +158,7 @@ def main(argv):
         base = row if cfg["method"] == "non_dp" else base
         rows.append(row)
         label = cfg["method"] + (f" {cfg['mechanism']}" if "mechanism" in cfg else "")
-        print(f"| {cfg['model']} | {cfg['B']} | {cfg['T']} | {label} | "
+        print(f"| {cfg['model']}{' (scan)' if cfg.get('scan') else ''} | {cfg['B']} | {cfg['T']} | {label} | "
               + " | ".join(_cells(row, base, bool(target))) + " |", flush=True)
         write_results(OUT.value, rows, target=target, jobs=JOBS.value, quiet=True)  # a killed run keeps its rows
     if any("profile" in row for row in rows):

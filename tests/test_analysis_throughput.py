@@ -131,3 +131,17 @@ def test_one_program_runs_f_iters_times():
     assert float(calls) == 5 * 6.0
     assert kernels.seconds_per_call(lambda v: v + 1, (jnp.ones(4),), repeats=2, iters=2) > 0
     assert math.isfinite(kernels.seconds_per_call(jnp.sum, (jnp.ones(4),), repeats=1, stat=np.min))
+
+
+def test_a_scanned_llama_steps():
+    """`model` "llama-<preset>" and `scan` build a Llama with stacked blocks; its DP step compiles and moves the
+    stacked parameters (the benchmark's scanned rows)."""
+    cfg = dict(_tiny("auto"), model="llama-tiny", scan=True)
+    config = throughput.model_config(cfg)
+    assert type(config).__name__ == "LlamaConfig" and config.scan_layers
+    step, abstract, inputs = throughput.step_fn(cfg)
+    state, batch, key = inputs()
+    blocks = lambda state: {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(state) if p[0] == 0 and "blocks" in p}
+    before, after = blocks(state), blocks(step(state, batch, key))
+    assert before and all(v.shape[0] == config.n_layer for v in before.values())
+    assert all(np.isfinite(a).all() and not np.array_equal(before[p], a) for p, a in after.items())
