@@ -31,7 +31,7 @@ from flax import nnx
 import jaxdp
 import jaxdp.core.reference
 from jaxdp.clipping import norms as norms_lib
-from jaxdp.clipping.settings import ClipSpec
+from jaxdp.clipping.settings import ClipSpec, NormPlan
 from jaxdp.core import _tape
 from jaxdp.finetune import methods
 from jaxdp.finetune.settings import LoRA
@@ -158,10 +158,12 @@ def test_scanned_dp_sums_equal_reference(monkeypatch):
     @nnx.jit
     def split_sums(model, batch):
         _, grads = jaxdp.per_example_grads(lm_loss, fallback=False)(model, batch)
-        return jaxdp.clipped_aggregate(grads, refs[name][0], clip=ClipSpec(clipping="per_layer"),
-                                       squared_norms_fn=norms_fn)[0]
-    sums = jax.tree.map(lambda s: s / EXPECTED_BATCH_SIZE, split_sums(cases[name][1], batch))
-    assert max_rel_err(unstacked(sums), refs[name][1]) <= RTOL
+        clip = ClipSpec(clipping="per_layer")
+        return [jaxdp.clipped_aggregate(grads, refs[name][0], clip=clip, squared_norms_fn=norms_fn)[0],
+                jaxdp.clipped_aggregate(grads, refs[name][0], clip=clip, norms=NormPlan(strategy="pallas"))[0]]
+    for sums in split_sums(cases[name][1], batch):  # the second: the single-pass kernel (interpreted on CPU)
+        sums = jax.tree.map(lambda s: s / EXPECTED_BATCH_SIZE, sums)
+        assert max_rel_err(unstacked(sums), refs[name][1]) <= RTOL
 
     # Planted errors inside the scan, on the per-layer GPT-2 case: the check above must catch each.
     one = {"gpt2 per_layer remat full": cases["gpt2 per_layer remat full"]}

@@ -138,8 +138,8 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
     # where the kernel's single pass or a caller's norms need them apart, layer by layer (`_per_layer`).
     vmapped = squared_norms_fn is None and strategy != "pallas"
     stacked = {i: stacked_lib.pinned_layers(g) for i, g in enumerate(leaves) if vmapped and is_stacked(g)}
-    rest = [i for i in range(len(leaves)) if i not in stacked]
-    paths, factored, counts = _per_layer([leaf_paths[i] for i in rest], [leaves[i] for i in rest])
+    apart = [i for i in range(len(leaves)) if i not in stacked]  # the leaves not vmapped over layers
+    paths, factored, counts = _per_layer([leaf_paths[i] for i in apart], [leaves[i] for i in apart])
     groups = [clipping_lib.group_of(p, clip.clipping) for p in paths]
     stacked_groups = {i: [clipping_lib.group_of(g.layer_path(leaf_paths[i], l), clip.clipping)
                           for l in range(g.num_layers)] for i, g in stacked.items()}
@@ -202,7 +202,7 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
         if rest:  # the tied embedding: its lookup term, clipped with the same factors
             part = part + clipping_lib.clipped_sum(FactoredGrad(rest), factors[group], pallas=True)
         sums.append(part)
-    split = iter(_restacked(sums, counts, [leaves[i] for i in rest]))
+    split = iter(_restacked(sums, counts, [leaves[i] for i in apart]))
     out = [stacked_lib.clipped_sums(stacked[i], jnp.stack([factors[g] for g in stacked_groups[i]]))
            if i in stacked else next(split) for i in range(len(leaves))]
     return jax.tree.unflatten(treedef, out), guarded
