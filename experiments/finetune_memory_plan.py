@@ -27,6 +27,8 @@ TARGET = flags.DEFINE_string("target", "h100", "GPU to compile for without one; 
 BUDGET_GB = flags.DEFINE_float("budget_gb", 80.0, "bytes per device a step may use, decimal GB")
 REMAT = flags.DEFINE_enum("remat", "none", ["none", "dots", "full"], "per-block activation checkpointing")
 VERIFY = flags.DEFINE_bool("verify", False, "also compile each row's predicted largest micro-batch")
+DEPTH_FIT = flags.DEFINE_list("depth_fit", ["2", "4"], "compile at these two depths and extend the bytes to the "
+                              "model's depth (jaxdp.finetune.memory_plan.PlanSpec.depth_fit); empty: full depth")
 OUT = flags.DEFINE_string("out", "", "JSON output path (none if empty)")
 
 
@@ -39,7 +41,11 @@ def main(argv):
     target = TARGET.value or None
     try:
         seq_lens = [int(s) for s in SEQ_LENS.value]
-        spec = memory_plan.PlanSpec(target=target, budget_gb=BUDGET_GB.value, remat=REMAT.value, verify=VERIFY.value)
+        depth_fit = tuple(int(n) for n in DEPTH_FIT.value) or None
+        if depth_fit is not None and (len(depth_fit) != 2 or not 1 <= depth_fit[0] < depth_fit[1]):
+            raise ValueError(f"--depth_fit must be two layer counts 1 <= l1 < l2, or empty, got {DEPTH_FIT.value}")
+        spec = memory_plan.PlanSpec(target=target, budget_gb=BUDGET_GB.value, remat=REMAT.value, verify=VERIFY.value,
+                                    depth_fit=depth_fit)
         for name in MODELS.value:
             memory_plan.model_config(name, seq_lens[0], spec)
     except ValueError as e:
@@ -53,7 +59,9 @@ def main(argv):
             rows += memory_plan.plan_rows(name, seq_len, spec, methods=tuple(METHODS.value),
                                           log=lambda line: print(line, flush=True))
     machine = f"XLA:GPU deviceless compile for {target}, not a run" if target else "this machine's compile"
-    print(f"\nDP by book-keeping, bf16, remat {REMAT.value}; {machine}; JAX {jax.__version__}; "
+    depth = f"bytes at {spec.depth_fit[0]} and {spec.depth_fit[1]} layers extended to the model's depth" \
+        if spec.depth_fit else "compiled at full depth"
+    print(f"\nDP by book-keeping, bf16, remat {REMAT.value}; {machine}; {depth}; JAX {jax.__version__}; "
           f"{datetime.date.today()}\n")
     print(memory_plan.table(rows, BUDGET_GB.value))
     if OUT.value:

@@ -57,8 +57,8 @@ def test_job_refuses_an_unknown_model():
     out = subprocess.run([sys.executable, "-m", "experiments.finetune_memory_plan", "--models=gpt5", "--target="],
                          capture_output=True, text=True)
     assert out.returncode == 2, out.stderr
-    assert out.stderr.strip().splitlines() == ["error: model must be one of ['gemma-2-9b', 'llama-3.1-8b', 'llama-tiny', "
-                                               "'qwen2.5-7b'], got 'gpt5'"]
+    assert out.stderr.strip().splitlines() == [
+        "error: model must be one of ['gemma-2-9b', 'llama-3.1-8b', 'llama-tiny', 'qwen2.5-7b'], got 'gpt5'"]
 
 
 @pytest.mark.parametrize("curve", [lambda B: 10 + 3 * B, lambda B: 10 + 4 * B - 0.02 * B * B,
@@ -72,3 +72,17 @@ def test_verify_pins_the_largest_batch_on_curved_memory(curve):
     truth = max(B for B in range(1, 100) if curve(B) <= 60.0)
     assert row.max_batch == truth, (row, compiled)
     assert len(compiled) <= 5
+
+
+def test_depth_fit_extends_the_line_through_two_depths():
+    """`depth_fit` compiles two shallow copies (Gemma's layer kinds cut with them) and extends their line."""
+    seen = []
+
+    def gb_of_config(config):
+        seen.append((config.n_layer, len(getattr(config, "layer_types", ()) or ())))
+        return 3.0 + 0.5 * config.n_layer
+    config = memory_plan.model_config("gemma-2-9b", 64, SPEC)
+    spec = dataclasses.replace(SPEC, depth_fit=(2, 4))
+    assert memory_plan._at_depth(gb_of_config, config, spec) == pytest.approx(3.0 + 0.5 * 42)
+    assert seen == [(2, 2), (4, 4)]
+    assert memory_plan._at_depth(gb_of_config, config, SPEC) == pytest.approx(3.0 + 0.5 * 42)

@@ -68,12 +68,16 @@ class PlanSpec:
       dtype: the compute dtype (frozen weights are held in it).
       remat: per-block activation checkpointing of the model ("none" | "dots" | "full").
       verify: compile around the predicted largest micro-batch to pin it (at most 3 more compiles per row).
+      depth_fit: None, or two layer counts (l1, l2): each step is compiled at those depths and its bytes
+        extended along the line through them to the model's depth (the blocks are alike, so each adds the same
+        buffers); two compiles of a few layers instead of one of all of them.
     """
     target: str | None = "h100"
     budget_gb: float = 80.0
     dtype: str = "bfloat16"
     remat: str = "none"
     verify: bool = False
+    depth_fit: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,13 +114,30 @@ def largest_batch(gb_at_1: float, gb_at_2: float, budget_gb: float) -> int:
     return 1 + math.floor((budget_gb - gb_at_1) / slope)
 
 
+def _at_depth(gb_of_config, config, spec: PlanSpec) -> float:
+    """`gb_of_config(config)`, or with `spec.depth_fit` its line through two shallower copies at the full depth."""
+    if spec.depth_fit is None:
+        return gb_of_config(config)
+    (l1, l2), depth = spec.depth_fit, config.n_layer
+    shallow = {n: gb_of_config(dataclasses.replace(config, n_layer=n, **_layer_fields(config, n))) for n in (l1, l2)}
+    return shallow[l1] + (depth - l1) * (shallow[l2] - shallow[l1]) / (l2 - l1)
+
+
+def _layer_fields(config, n: int) -> dict:
+    """Per-layer fields of `config` cut to `n` layers (Gemma's layer_types)."""
+    types = getattr(config, "layer_types", None)
+    return {} if types is None else {"layer_types": tuple(types[:n])}
+
+
 def one_gpu_gb(name: str, method: str, step: memory.StepSpec, spec: PlanSpec) -> float:
     """Peak GB of one step of `method` on one device."""
     device = target_devices(spec.target, 1)[0]
-    result = memory.step_memory(model_config(name, step.seq_len, spec), method, step=step,
-                                frozen_dtype=jnp.dtype(spec.dtype), device=device,
-                                compiler_options=NO_XLA_REMAT if spec.target else None)
-    return result.peak / GB
+
+    def gb_of_config(config):
+        result = memory.step_memory(config, method, step=step, frozen_dtype=jnp.dtype(spec.dtype), device=device,
+                                    compiler_options=NO_XLA_REMAT if spec.target else None)
+        return result.peak / GB
+    return _at_depth(gb_of_config, model_config(name, step.seq_len, spec), spec)
 
 
 def mesh_gb(name: str, step: memory.StepSpec, mesh_shape: tuple[int, int], spec: PlanSpec) -> float:
@@ -126,14 +147,16 @@ def mesh_gb(name: str, step: memory.StepSpec, mesh_shape: tuple[int, int], spec:
     from jaxdp.sharding.mesh import make_mesh
     data, seq = mesh_shape
     mesh = make_mesh(data, seq, devices=target_devices(spec.target, data * seq))
-    config = model_config(name, step.seq_len, spec)
     B = step.batch_size * data
-    dp_step, build = longest_context.make_step(lambda rngs: registry.build(config, rngs), step.dp, mesh, B, 3,
-                                               "bookkeeping")
-    state = nnx.eval_shape(lambda: dp_step.init(build()))
-    compiled = dp_step.lower(state, longest_context.make_batch(B, step.seq_len)).compile(
-        compiler_options=NO_XLA_REMAT if spec.target else None)
-    return longest_context.step_bytes(compiled) / GB
+
+    def gb_of_config(config):
+        dp_step, build = longest_context.make_step(lambda rngs: registry.build(config, rngs), step.dp, mesh, B, 3,
+                                                   "bookkeeping")
+        state = nnx.eval_shape(lambda: dp_step.init(build()))
+        compiled = dp_step.lower(state, longest_context.make_batch(B, step.seq_len)).compile(
+            compiler_options=NO_XLA_REMAT if spec.target else None)
+        return longest_context.step_bytes(compiled) / GB
+    return _at_depth(gb_of_config, model_config(name, step.seq_len, spec), spec)
 
 
 def _row(name: str, method: str, seq_len: int, dp: bool, gb_of, mesh_shape, spec: PlanSpec) -> PlanRow:
