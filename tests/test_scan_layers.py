@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from dp_testing import (
     RTOL,
@@ -32,7 +33,7 @@ import jaxdp
 import jaxdp.core.reference
 from jaxdp.clipping import norms as norms_lib
 from jaxdp.clipping.settings import ClipSpec, NormPlan
-from jaxdp.core import _tape
+from jaxdp.core import _tape, sequence_shards
 from jaxdp.finetune import methods
 from jaxdp.finetune.settings import LoRA
 from jaxdp.models import layers
@@ -236,22 +237,41 @@ def test_finetune_reads_a_scanned_run_and_trains_unrolled(tmp_path):
     assert_same_params(loaded, source)
 
 
+def _cp_loss(model, batch, seq_axis=None):
+    """Per-example mean NLL over the global sequence (this shard's share on a sequence shard)."""
+    logits = model(batch["inputs"], seq_axis=seq_axis)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return jnp.where(batch["mask"], sequence_shards.sequence_mean(nll, seq_axis), 0.0)
+
+
 def test_sharded_step_on_scanned_model_equals_single_device():
     """ShardedDPStep (8 fake devices: data 4 x seq 2, ZeRO-3, per-layer clipping) on the scanned GPT-2 equals the
     single-device step of the unrolled model: the privatised gradient and the parameters after one DP-Adam step.
     Under seq > 1 the stacked parameters take the layer-by-layer route (its norms come from sequence shards)."""
-    import test_sharding as ts
-
     from jaxdp import sharding
     from jaxdp.clipping.settings import DPSpec
 
-    model, loss_fn, batch = ts.setup("gpt2cp")
-    expected_grads, expected_params = ts.reference("gpt2cp")[("per_layer", 0.0)]
-    step = sharding.ShardedDPStep(loss_fn, ts.adam(), sharding.make_mesh(4, 2),
-                                  DPSpec(l2_norm_clip=ts.C, noise_multiplier=0.0, expected_batch_size=ts.EBS,
+    C, adam = 0.05, optax.adam(1e-2, eps=1e-3)
+    tokens = jax.random.randint(jax.random.key(3), (8, 17), 0, 97)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.arange(8) < 7}
+    model = gpt2()
+    dp = jaxdp.fused_clip(C, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clip=ClipSpec(clipping="per_layer"))
+
+    @nnx.jit
+    def single_device(model, batch):
+        params = nnx.state(model, nnx.Param)
+        _, grads = jaxdp.per_example_grads(_cp_loss)(model, batch)
+        private, _ = dp.update(grads, dp.init(params), params)
+        tx = optax.chain(dp, adam)
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return by_path(private), by_path(optax.apply_updates(params, updates))
+    expected_grads, expected_params = single_device(model, batch)
+
+    step = sharding.ShardedDPStep(_cp_loss, adam, sharding.make_mesh(4, 2),
+                                  DPSpec(l2_norm_clip=C, noise_multiplier=0.0, expected_batch_size=EXPECTED_BATCH_SIZE,
                                          clip=ClipSpec(clipping="per_layer")), key=jax.random.key(7), zero_stage=3)
     new_state, out = step(step.init(layers.scanned(model)), batch)
-    assert max_rel_err(unstacked(out["grads"]), expected_grads) <= ts.RTOL
-    assert max_rel_err(unstacked(new_state.params), expected_params) <= ts.RTOL
+    assert max_rel_err(unstacked(out["grads"]), expected_grads) <= RTOL
+    assert max_rel_err(unstacked(new_state.params), expected_params) <= RTOL
     kernel = by_path(step.layout.param_specs)[("blocks", "attn", "c_attn", "kernel")]
     assert sharding.DATA in kernel  # ZeRO-3: the stacked kernel sharded over data
