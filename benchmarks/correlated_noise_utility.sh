@@ -16,7 +16,8 @@
 # Runs one job at a time under `nice -n 5`; a run whose summary.json exists is skipped, so rerunning
 # finishes an interrupted grid. Settings by environment: ROOT (run directories, default
 # /tmp/correlated_noise_utility), EPSILONS ("2 8"), PT_SEEDS ("0 1 2"), FT_SEEDS ("0 1"), PT_MECHS
-# ("dpsgd auto bandmf4"), FT_MECHS ("dpsgd auto"), RT (a rotten_tomatoes.jsonl already written by
+# ("dpsgd auto bandmf4"), PT_LR (the pretraining learning rate, 3e-3; runs at another go to
+# $ROOT/pretrain_lr<PT_LR>/), FT_MECHS ("dpsgd auto"), RT (a rotten_tomatoes.jsonl already written by
 # `python -m experiments.rotten_tomatoes`; default: that command, which pip-downloads its sdist).
 # A mechanism is dpsgd | auto | bandmf<b> | blt | nondp (the non-DP baseline, once per seed, no epsilon).
 # Measured numbers: notebook/2026-11-28-correlated-noise-utility.md.
@@ -28,13 +29,15 @@ EPSILONS=${EPSILONS:-"2 8"}
 PT_SEEDS=${PT_SEEDS:-"0 1 2"}
 FT_SEEDS=${FT_SEEDS:-"0 1"}
 PT_MECHS=${PT_MECHS:-"dpsgd auto bandmf4"}
+PT_LR=${PT_LR:-3e-3}
+PT_DIR=$ROOT/pretrain$([[ $PT_LR == 3e-3 ]] || echo "_lr$PT_LR")
 FT_MECHS=${FT_MECHS:-"dpsgd auto"}
 mkdir -p "$ROOT/logs"
 COMMON=(--config.data.cache_dir="$ROOT/cache" --config.compilation_cache_dir="$ROOT/xla" --config.sample.num=0)
 PT=(--config.data.path="$ROOT/corpus.jsonl" --config.data.tokenizer=bpe512 --config.model.n_layer=2
     --config.model.n_head=2 --config.model.d_model=64 --config.model.max_seq_len=32 --config.seq_len=32
     --config.batch_size=32 --config.steps=500 --config.log_every=50 --config.eval_every=250
-    --config.checkpoint_every=500 --config.eval_windows=128)
+    --config.checkpoint_every=500 --config.eval_windows=128 --config.learning_rate="$PT_LR")
 FT_INIT=(--config.data.path="$ROOT/corpus.jsonl" --config.data.tokenizer=bpe512 --config.model.n_layer=2
          --config.model.n_head=2 --config.model.d_model=64 --config.model.max_seq_len=96 --config.seq_len=96
          --config.batch_size=32 --config.steps=300 --config.log_every=50 --config.eval_every=300
@@ -77,12 +80,12 @@ pretrain() {
   for seed in $PT_SEEDS; do
     for mech in $PT_MECHS; do
       if [[ $mech == nondp ]]; then
-        run "$ROOT/pretrain/nondp_s$seed" experiments.pretrain_gpt2 "${PT[@]}" --config.seed="$seed" --config.dp.enabled=False
+        run "$PT_DIR/nondp_s$seed" experiments.pretrain_gpt2 "${PT[@]}" --config.seed="$seed" --config.dp.enabled=False
         continue
       fi
       for eps in $EPSILONS; do
         # shellcheck disable=SC2046
-        run "$ROOT/pretrain/e${eps}_${mech}_s$seed" experiments.pretrain_gpt2 "${PT[@]}" --config.seed="$seed" \
+        run "$PT_DIR/e${eps}_${mech}_s$seed" experiments.pretrain_gpt2 "${PT[@]}" --config.seed="$seed" \
           --config.dp.target_epsilon="$eps" $(mechanism_flags "$mech")
       done
     done
@@ -111,7 +114,8 @@ finetune() {
 table() {
   python - "$ROOT" <<'EOF'
 import collections, glob, json, os, re, statistics, sys
-for job in ("pretrain", "finetune"):
+jobs = sorted(os.path.basename(p) for p in glob.glob(os.path.join(sys.argv[1], "pretrain*"))) + ["finetune"]
+for job in jobs:
     groups = collections.defaultdict(list)
     for d in sorted(glob.glob(os.path.join(sys.argv[1], job, "*_s*"))):
         if not os.path.exists(os.path.join(d, "summary.json")):
@@ -135,10 +139,10 @@ for job in ("pretrain", "finetune"):
         rows = groups[g]
         eps, mech = key(g)
         losses = [r[3] for r in rows]
-        sd = statistics.stdev(losses) if len(losses) > 1 else float("nan")
+        sd = f" +- {statistics.stdev(losses):.4f}" if len(losses) > 1 else ""
         sigma = rows[0][2]
         line = (f"| {'inf' if eps == float('inf') else f'{eps:g}'} | {mech} | {', '.join(sorted({r[1] for r in rows}))} | "
-                f"{'-' if sigma is None else f'{sigma:.3f}'} | {len(rows)} | {statistics.mean(losses):.4f} +- {sd:.4f} | "
+                f"{'-' if sigma is None else f'{sigma:.3f}'} | {len(rows)} | {statistics.mean(losses):.4f}{sd} | "
                 f"{' '.join(f'{x:.4f}' for x in losses)} |")
         if job == "finetune":
             accs = [r[4] for r in rows if r[4] is not None]
