@@ -86,3 +86,19 @@ def test_depth_fit_extends_the_line_through_two_depths():
     assert memory_plan._at_depth(gb_of_config, config, spec) == pytest.approx(3.0 + 0.5 * 42)
     assert seen == [(2, 2), (4, 4)]
     assert memory_plan._at_depth(gb_of_config, config, SPEC) == pytest.approx(3.0 + 0.5 * 42)
+
+
+def test_a_row_that_does_not_fit_says_what_would(monkeypatch):
+    """A LoRA row over the budget at the spec's remat is retried with remat "full" and says what it gives; full
+    fine-tuning over one GPU points to the 8-GPU rows."""
+    def fake_gb(name, method, step, spec):
+        return (100.0 if spec.remat == "none" else 10.0) + step.batch_size
+    monkeypatch.setattr(memory_plan, "one_gpu_gb", fake_gb)
+    monkeypatch.setattr(memory_plan, "mesh_gb", lambda name, step, mesh, spec: 5.0 + step.batch_size)
+    rows = memory_plan.plan_rows("llama-tiny", 64, dataclasses.replace(SPEC, budget_gb=60.0), log=lambda line: None)
+    lora = [r for r in rows if r.method == "lora"]
+    assert all(r.max_batch == 0 and r.note == "does not fit one GPU; with remat='full': 11.00 GB at B=1, largest B 50"
+               for r in lora), lora
+    full_one = [r for r in rows if r.method == "full" and r.mesh == (1, 1)]
+    assert all(r.note == "does not fit one GPU: see the 8-GPU rows" for r in full_one)
+    assert [(r.mesh, r.max_batch) for r in rows if r.mesh != (1, 1)] == [((8, 1), 55), ((8, 1), 55)]

@@ -99,7 +99,10 @@ def model_config(name: str, seq_len: int, spec: PlanSpec):
     """The config of `SHAPES[name]` for sequences of `seq_len` tokens."""
     if name not in SHAPES:
         raise ValueError(f"model must be one of {sorted(SHAPES)}, got {name!r}")
-    return SHAPES[name](seq_len=seq_len, dtype=spec.dtype, remat=spec.remat)
+    # On a GPU target cuDNN's fused attention (what the job's "auto" picks there), which keeps no T x T scores;
+    # Gemma 2's soft-capped attention has no fused kernel and computes its scores either way.
+    attention = "cudnn" if spec.target else "auto"
+    return SHAPES[name](seq_len=seq_len, dtype=spec.dtype, remat=spec.remat, attention=attention)
 
 
 def largest_batch(gb_at_1: float, gb_at_2: float, budget_gb: float) -> int:
@@ -188,6 +191,18 @@ def _row(name: str, method: str, seq_len: int, dp: bool, gb_of, mesh_shape, spec
     return PlanRow(name, method, seq_len, dp, mesh_shape, gb1, gb2, best, note)
 
 
+def _with_full_remat(name: str, method: str, seq_len: int, dp: bool, spec: PlanSpec) -> str:
+    """What remat "full" (each block's activations recomputed in the backward) makes of a row that does not fit."""
+    if spec.remat == "full":
+        return "nor with remat='full'"
+    full = dataclasses.replace(spec, remat="full")
+    row = _row(name, method, seq_len, dp,
+               lambda B: one_gpu_gb(name, method, memory.StepSpec(B, seq_len, dp=dp), full), (1, 1), full)
+    if row.max_batch == 0:
+        return f"nor with remat='full' ({_gb(row.gb_at_1)} GB at B=1)"
+    return f"with remat='full': {_gb(row.gb_at_1)} GB at B=1, largest B {row.max_batch}"
+
+
 def plan_rows(name: str, seq_len: int, spec: PlanSpec, methods=("lora", "full"), log=print) -> list[PlanRow]:
     """Every row of one model at one sequence length: each method on one GPU, DP and non-DP; then, for full
     fine-tuning when it does not fit one GPU, the first 8-GPU ZeRO-3 mesh of `MESHES` that fits."""
@@ -196,9 +211,11 @@ def plan_rows(name: str, seq_len: int, spec: PlanSpec, methods=("lora", "full"),
         for dp in (False, True):
             gb_of = lambda B, method=method, dp=dp: one_gpu_gb(name, method, memory.StepSpec(B, seq_len, dp=dp), spec)
             row = _row(name, method, seq_len, dp, gb_of, (1, 1), spec)
-            if row.max_batch == 0:
-                row = dataclasses.replace(row, note="does not fit one GPU" + (": see the 8-GPU rows" if method == "full"
-                                                                              else ""))
+            if row.max_batch == 0 and method == "full":
+                row = dataclasses.replace(row, note="does not fit one GPU: see the 8-GPU rows")
+            elif row.max_batch == 0:
+                row = dataclasses.replace(row, note="does not fit one GPU; " + _with_full_remat(name, method, seq_len,
+                                                                                                 dp, spec))
             log(_log_line(row))
             rows.append(row)
     if "full" in methods and any(r.method == "full" and r.max_batch == 0 for r in rows):
