@@ -123,8 +123,9 @@ for job in jobs:
         s = json.load(open(os.path.join(d, "summary.json")))
         name = os.path.basename(d)
         p = json.load(open(os.path.join(d, "privacy.json"))).get("noise_mechanism") or {}
-        bands = (p.get("parameters") or {}).get("bands", 1)
-        ran = "-" if not s["dp"] else "dpsgd" if bands == 1 else f"bandmf b={bands}"
+        params = p.get("parameters") or {}
+        ran = ("-" if not s["dp"] else f"blt {params.get('buffers')} buffers" if p.get("mechanism") == "blt"
+               else f"bandmf b={params['bands']}" if p.get("mechanism") == "bandmf" else "dpsgd")
         acc = (s.get("heldout_accuracy") or {}).get("accuracy")
         groups[re.sub(r"_s\d+$", "", name)].append((name, ran, s.get("noise_multiplier"), s["val_loss"], acc))
     if not groups:
