@@ -275,3 +275,24 @@ def test_sharded_step_on_scanned_model_equals_single_device():
     assert max_rel_err(unstacked(new_state.params), expected_params) <= RTOL
     kernel = by_path(step.layout.param_specs)[("blocks", "attn", "c_attn", "kernel")]
     assert sharding.DATA in kernel  # ZeRO-3: the stacked kernel sharded over data
+
+
+def test_scanned_step_does_not_grow_with_depth():
+    """The compiled DP step (per_example_grads + per-layer fused_clip) of the scanned model has about as many
+    instructions at 8 layers as at 2: per-layer groups of a stacked parameter are one (L, B) family, so
+    neither the tape nor the clipping unrolls over layers (per group, XLA fused the drop rule's test of all
+    groups into each group's factors, O(L^2))."""
+    grads_fn = jaxdp.per_example_grads(lm_loss, fallback=False)
+    tx = jaxdp.fused_clip(1.0, 0.0, expected_batch_size=EXPECTED_BATCH_SIZE, clip=ClipSpec(clipping="per_layer"))
+
+    def size(n_layer):
+        model = gpt2(n_layer=n_layer, scan_layers=True)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def step(params, rest, batch):
+            _, grads = grads_fn(nnx.merge(graphdef, params, rest), batch)
+            return tx.update(grads, tx.init(params), params)[0]
+        return jax.jit(step).lower(params, rest, lm_batch(seed=1)).compile().as_text().count("\n")
+
+    small, deep = size(2), size(8)
+    assert deep <= 1.1 * small, (small, deep)

@@ -6,6 +6,7 @@ is always the transform, never the module."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -168,9 +169,14 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
         sq_by_group[group] = sq if group not in sq_by_group else sq_by_group[group] + sq
         bound_by_group[group] = bound if group not in bound_by_group else bound_by_group[group] + bound
 
+    families = _families(stacked_groups, groups)
     for i, grad in stacked.items():
         sq_LB, bound_LB = stacked_lib.squared_norms(grad, norms)
-        _add_layers(sq_by_group, bound_by_group, stacked_groups[i], sq_LB, bound_LB)
+        if i in families:  # one (L, B) entry for the L groups
+            _add(sq_by_group, bound_by_group, families[i], sq_LB, bound_LB)
+            thresholds[families[i]] = jnp.stack([jnp.asarray(thresholds[g]) for g in families[i].groups])[:, None]
+        else:
+            _add_layers(sq_by_group, bound_by_group, stacked_groups[i], sq_LB, bound_LB)
 
     def factors_of(norms_B, group, keep_B):
         return clipping_lib.clip_factors(norms_B, thresholds[group], clip.clip_fn, clip.gamma, keep_B)
@@ -179,7 +185,8 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
         linear_sums, sq_by_group, bound_by_group, keep_pre_B, applied = single_pass_lib.single_pass_sums(
             factored, single, sq_by_group, bound_by_group, single_roots, factors_of, chunk_size)
     guarded = {g: clipping_lib.guarded_norms(sq, bound_by_group[g]) for g, sq in sq_by_group.items()}
-    keep_B = clipping_lib.kept_examples(guarded)
+    keep_B = clipping_lib.kept_examples({g: _all_finite(n) if isinstance(g, _Family) else n
+                                         for g, n in guarded.items()})
     factors = {g: factors_of(n, g, keep_B) for g, n in guarded.items()}
     if single:  # a single-pass group's other parameters take the factors its kernel applied (zero if dropped)
         factors.update({g: jnp.where(keep_B, c, 0).astype(factors[g].dtype) for g, c in applied.items()})
@@ -203,9 +210,43 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
             part = part + clipping_lib.clipped_sum(FactoredGrad(rest), factors[group], pallas=True)
         sums.append(part)
     split = iter(_restacked(sums, counts, [leaves[i] for i in apart]))
-    out = [stacked_lib.clipped_sums(stacked[i], jnp.stack([factors[g] for g in stacked_groups[i]]))
+    out = [stacked_lib.clipped_sums(stacked[i], factors[families[i]] if i in families else
+                                    jnp.stack([factors[g] for g in stacked_groups[i]]))
            if i in stacked else next(split) for i in range(len(leaves))]
+    for family in set(families.values()):  # the norms by group, as the contract says
+        guarded.update(zip(family.groups, guarded.pop(family)))
     return jax.tree.unflatten(treedef, out), guarded
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """The L per-layer groups of a stacked parameter, kept as one (L, B) entry through the guarded norms, the
+    drop rule and the clip factors: XLA fused the drop rule's test of all G groups into each group's factors
+    (G^2 operations, G ~ 9 per layer), so per-layer groups counted one by one made a deep step's compile
+    grow quadratically with depth."""
+    groups: tuple
+
+
+def _families(stacked_groups: dict, other_groups: list) -> dict:
+    """{stacked leaf index: _Family} for the leaves whose L groups are distinct and receive nothing from any
+    other leaf but those with the same L groups (a Linear's kernel and bias); the others stay per group."""
+    others = set(other_groups)
+    counts: dict = {}
+    for gs in stacked_groups.values():
+        for g in set(gs):
+            counts.setdefault(g, set()).add(tuple(gs))
+    return {i: _Family(tuple(gs)) for i, gs in stacked_groups.items()
+            if len(set(gs)) == len(gs) > 1 and not others & set(gs) and all(len(counts[g]) == 1 for g in gs)}
+
+
+def _all_finite(norms_LB):
+    """(B,): 0 where every layer's norm is finite, NaN elsewhere (what the drop rule reads)."""
+    return jnp.where(jnp.all(jnp.isfinite(norms_LB), axis=0), 0.0, jnp.nan).astype(norms_LB.dtype)
+
+
+def _add(sq_by_group: dict, bound_by_group: dict, g, sq, bound) -> None:
+    sq_by_group[g] = sq if g not in sq_by_group else sq_by_group[g] + sq
+    bound_by_group[g] = bound if g not in bound_by_group else bound_by_group[g] + bound
 
 
 def _add_layers(sq_by_group: dict, bound_by_group: dict, layer_groups: list, sq_LB, bound_LB) -> None:
@@ -215,8 +256,7 @@ def _add_layers(sq_by_group: dict, bound_by_group: dict, layer_groups: list, sq_
     else:
         parts = [(g, sq_LB[l], bound_LB[l]) for l, g in enumerate(layer_groups)]
     for g, sq, bound in parts:
-        sq_by_group[g] = sq if g not in sq_by_group else sq_by_group[g] + sq
-        bound_by_group[g] = bound if g not in bound_by_group else bound_by_group[g] + bound
+        _add(sq_by_group, bound_by_group, g, sq, bound)
 
 
 # Materialised per-example gradients: small dense ones (biases, norm scales) and the G_b that strategy
