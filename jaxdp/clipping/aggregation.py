@@ -6,7 +6,6 @@ is always the transform, never the module."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -55,33 +54,6 @@ def flatten_grads(grads):
     with_path, treedef = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_factored)
     paths = [_path_keys(kp) for kp, _ in with_path]
     return paths, [leaf if is_stacked(leaf) else as_factored(leaf) for _, leaf in with_path], treedef
-
-
-def _per_layer(paths, factored):
-    """(paths, FactoredGrads, counts): every StackedGrad of L layers split into its L layers under the
-    unrolled model's paths, so that groups, thresholds and norms are the unrolled model's; `counts[i]` is
-    how many entries leaf i became (L, or 1)."""
-    out_paths, out, counts = [], [], []
-    for path, grad in zip(paths, factored):
-        if is_stacked(grad):
-            L = grad.num_layers
-            out_paths += [grad.layer_path(path, l) for l in range(L)]
-            out += [grad.layer(l) for l in range(L)]
-            counts.append(L)
-        else:
-            out_paths.append(path)
-            out.append(grad)
-            counts.append(1)
-    return out_paths, out, counts
-
-
-def _restacked(sums, counts, factored) -> list:
-    """The per-leaf sums of `_per_layer`'s entries: a stacked leaf's L sums stacked again."""
-    out, i = [], 0
-    for n, grad in zip(counts, factored):
-        out.append(jnp.stack(sums[i:i + n]) if is_stacked(grad) else sums[i])
-        i += n
-    return out
 
 
 def _check_parameter_shapes(grads, params) -> None:
@@ -136,11 +108,11 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
     strategy, chunk_size = norms.strategy, norms.chunk_size
     leaf_paths, leaves, treedef = flatten_grads(grads)
     # A scanned model's stacked parameters: one vmapped copy of the rules for all layers (`stacked`), or,
-    # where the kernel's single pass or a caller's norms need them apart, layer by layer (`_per_layer`).
+    # where the kernel's single pass or a caller's norms need them apart, layer by layer (`stacked.per_layer`).
     vmapped = squared_norms_fn is None and strategy != "pallas"
     stacked = {i: stacked_lib.pinned_layers(g) for i, g in enumerate(leaves) if vmapped and is_stacked(g)}
     apart = [i for i in range(len(leaves)) if i not in stacked]  # the leaves not vmapped over layers
-    paths, factored, counts = _per_layer([leaf_paths[i] for i in apart], [leaves[i] for i in apart])
+    paths, factored, counts = stacked_lib.per_layer([leaf_paths[i] for i in apart], [leaves[i] for i in apart])
     groups = [clipping_lib.group_of(p, clip.clipping) for p in paths]
     stacked_groups = {i: [clipping_lib.group_of(g.layer_path(leaf_paths[i], l), clip.clipping)
                           for l in range(g.num_layers)] for i, g in stacked.items()}
@@ -169,14 +141,14 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
         sq_by_group[group] = sq if group not in sq_by_group else sq_by_group[group] + sq
         bound_by_group[group] = bound if group not in bound_by_group else bound_by_group[group] + bound
 
-    families = _families(stacked_groups, groups)
+    families = stacked_lib.families(stacked_groups, groups)
     for i, grad in stacked.items():
         sq_LB, bound_LB = stacked_lib.squared_norms(grad, norms)
         if i in families:  # one (L, B) entry for the L groups
-            _add(sq_by_group, bound_by_group, families[i], sq_LB, bound_LB)
+            stacked_lib.add(sq_by_group, bound_by_group, families[i], sq_LB, bound_LB)
             thresholds[families[i]] = jnp.stack([jnp.asarray(thresholds[g]) for g in families[i].groups])[:, None]
         else:
-            _add_layers(sq_by_group, bound_by_group, stacked_groups[i], sq_LB, bound_LB)
+            stacked_lib.add_layers(sq_by_group, bound_by_group, stacked_groups[i], sq_LB, bound_LB)
 
     def factors_of(norms_B, group, keep_B):
         return clipping_lib.clip_factors(norms_B, thresholds[group], clip.clip_fn, clip.gamma, keep_B)
@@ -185,8 +157,8 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
         linear_sums, sq_by_group, bound_by_group, keep_pre_B, applied = single_pass_lib.single_pass_sums(
             factored, single, sq_by_group, bound_by_group, single_roots, factors_of, chunk_size)
     guarded = {g: clipping_lib.guarded_norms(sq, bound_by_group[g]) for g, sq in sq_by_group.items()}
-    keep_B = clipping_lib.kept_examples({g: _all_finite(n) if isinstance(g, _Family) else n
-                                         for g, n in guarded.items()})
+    keep_B = clipping_lib.kept_examples({g: stacked_lib.all_finite(n) if isinstance(g, stacked_lib.Family)
+                                         else n for g, n in guarded.items()})
     factors = {g: factors_of(n, g, keep_B) for g, n in guarded.items()}
     if single:  # a single-pass group's other parameters take the factors its kernel applied (zero if dropped)
         factors.update({g: jnp.where(keep_B, c, 0).astype(factors[g].dtype) for g, c in applied.items()})
@@ -209,54 +181,13 @@ def clipped_aggregate(grads, l2_norm_clip: float, *, clip: ClipSpec = ClipSpec()
         if rest:  # the tied embedding: its lookup term, clipped with the same factors
             part = part + clipping_lib.clipped_sum(FactoredGrad(rest), factors[group], pallas=True)
         sums.append(part)
-    split = iter(_restacked(sums, counts, [leaves[i] for i in apart]))
+    split = iter(stacked_lib.restacked(sums, counts, [leaves[i] for i in apart]))
     out = [stacked_lib.clipped_sums(stacked[i], factors[families[i]] if i in families else
                                     jnp.stack([factors[g] for g in stacked_groups[i]]))
            if i in stacked else next(split) for i in range(len(leaves))]
     for family in set(families.values()):  # the norms by group, as the contract says
         guarded.update(zip(family.groups, guarded.pop(family)))
     return jax.tree.unflatten(treedef, out), guarded
-
-
-@dataclasses.dataclass(frozen=True)
-class _Family:
-    """The L per-layer groups of a stacked parameter, kept as one (L, B) entry through the guarded norms, the
-    drop rule and the clip factors: XLA fused the drop rule's test of all G groups into each group's factors
-    (G^2 operations, G ~ 9 per layer), so per-layer groups counted one by one made a deep step's compile
-    grow quadratically with depth."""
-    groups: tuple
-
-
-def _families(stacked_groups: dict, other_groups: list) -> dict:
-    """{stacked leaf index: _Family} for the leaves whose L groups are distinct and receive nothing from any
-    other leaf but those with the same L groups (a Linear's kernel and bias); the others stay per group."""
-    others = set(other_groups)
-    counts: dict = {}
-    for gs in stacked_groups.values():
-        for g in set(gs):
-            counts.setdefault(g, set()).add(tuple(gs))
-    return {i: _Family(tuple(gs)) for i, gs in stacked_groups.items()
-            if len(set(gs)) == len(gs) > 1 and not others & set(gs) and all(len(counts[g]) == 1 for g in gs)}
-
-
-def _all_finite(norms_LB):
-    """(B,): 0 where every layer's norm is finite, NaN elsewhere (what the drop rule reads)."""
-    return jnp.where(jnp.all(jnp.isfinite(norms_LB), axis=0), 0.0, jnp.nan).astype(norms_LB.dtype)
-
-
-def _add(sq_by_group: dict, bound_by_group: dict, g, sq, bound) -> None:
-    sq_by_group[g] = sq if g not in sq_by_group else sq_by_group[g] + sq
-    bound_by_group[g] = bound if g not in bound_by_group else bound_by_group[g] + bound
-
-
-def _add_layers(sq_by_group: dict, bound_by_group: dict, layer_groups: list, sq_LB, bound_LB) -> None:
-    """Adds layer l's squared norms and bounds to its group `layer_groups[l]` (one sum when all share one)."""
-    if len(set(layer_groups)) == 1:
-        parts = [(layer_groups[0], sq_LB.sum(axis=0), bound_LB.sum(axis=0))]
-    else:
-        parts = [(g, sq_LB[l], bound_LB[l]) for l, g in enumerate(layer_groups)]
-    for g, sq, bound in parts:
-        _add(sq_by_group, bound_by_group, g, sq, bound)
 
 
 # Materialised per-example gradients: small dense ones (biases, norm scales) and the G_b that strategy
