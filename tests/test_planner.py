@@ -80,3 +80,21 @@ def test_blt_row_when_jax_privacy_is_installed():
     assert blt.skipped is None and blt.run.kind == "blt" and blt.run.cycle_length == 100
     assert blt.run.strategy_sensitivity == pytest.approx(strategies.sensitivity(blt.mechanism, 100, 100, 1))
     assert blt.rms_error > table[0].rms_error and chosen is table[0]
+
+
+def test_step_error_is_each_steps_own_noise_and_its_criterion_keeps_dpsgd():
+    """step_rms_error is the RMS over steps of the norm of C^{-1}'s rows (DP-SGD: 1), built here from the dense
+    strategy matrix; ranked by it (criterion "steps", what `auto` uses for the jobs' AdamW) DP-SGD wins where
+    the prefix sums' noise picks correlated noise; an unknown criterion is named."""
+    import numpy as np
+    for mechanism in (strategies.bandmf(40, 4), strategies.bandmf(40, 1)):
+        inverse = np.linalg.inv(strategies.strategy_matrix(mechanism, 40))
+        expected = math.sqrt(float(np.mean(np.sum(inverse ** 2, axis=1))))
+        assert strategies.step_rms_error(mechanism, 40) == pytest.approx(expected, rel=1e-12)
+    assert strategies.step_rms_error(strategies.bandmf(40, 1), 40) == pytest.approx(1.0)
+    by_sums, table = planner.plan(10_000, 100, 100, 8.0, 1e-6)
+    by_steps = planner.best(table, "steps")
+    assert by_sums.candidate.kind != "dpsgd" and by_steps.candidate.kind == "dpsgd"
+    assert all(r.step_error >= by_steps.step_error for r in table if r.skipped is None)
+    with pytest.raises(ValueError, match="criterion must be one of"):
+        planner.best(table, "loss")

@@ -301,7 +301,7 @@ def test_auto_offers_blt_only_with_jax_privacy(corpus, tmp_path, monkeypatch):
     assert [r.candidate.label for r in p.noise.table] == labels
     n = preparation._trainable_parameters(p.config, p.tokenizer.vocab_size, None)
     assert [r.buffer_bytes for r in p.noise.table] == [4 * r.num_buffers * n for r in p.noise.table]
-    assert p.noise.buffer_bytes == planner.best(p.noise.table).buffer_bytes
+    assert p.noise.buffer_bytes == planner.best(p.noise.table, p.noise.criterion).buffer_bytes
 
 
 # ------------------------------------------------------------------ bad inputs

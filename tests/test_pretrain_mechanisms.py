@@ -215,25 +215,27 @@ def test_auto_prints_records_and_runs_the_planners_choice(corpus, tmp_path, capf
     cfg = tiny_config(corpus, tmp_path / "auto", **{"dp.mechanism": "auto", "seed": SECRET_SEED, "sample.num": 0})
     p = training.prepare(cfg)
     blt_buffers = (3,) if training.config.has_jax_privacy() else ()  # BLT where jax_privacy is installed
-    chosen, table = planner.plan(p.num_units, 8, 6, 8.0, p.delta_mechanism,
-                                 planner.default_candidates(p.num_units, 8, 6, blt_buffers=blt_buffers))
+    # auto ranks by each step's own noise (the jobs' AdamW); by the prefix sums' noise BandMF would win here.
+    candidates = planner.default_candidates(p.num_units, 8, 6, blt_buffers=blt_buffers)
+    chosen, table = planner.plan(p.num_units, 8, 6, 8.0, p.delta_mechanism, candidates, criterion="steps")
+    by_sums, _ = planner.plan(p.num_units, 8, 6, 8.0, p.delta_mechanism, candidates)
     labels = ["dpsgd", "bandmf b=2", "bandmf b=4"] + ["blt 3 buffers"] * len(blt_buffers)
     assert [r.candidate.label for r in table] == labels
-    assert chosen.candidate.kind == "bandmf" and p.noise.kind == "bandmf" and p.noise.bands == chosen.candidate.size
-    assert p.noise.coefs == chosen.mechanism.coefs and p.sampler.cycle_length == p.noise.bands
+    assert by_sums.candidate.kind == "bandmf" and chosen.candidate.kind == "dpsgd"
+    assert p.noise.kind == "dpsgd" and p.noise.criterion == "steps" and type(p.sampler).__name__ == "PoissonSampler"
     assert accountant_epsilon(p, 6) <= 8.0
     training.train(cfg, prepared=p, interrupt_after=1, verbose=True)
     err = capfd.readouterr().err
-    assert err.count("the planner's table") == 1 and planner.format_table(p.noise.table) in err
-    assert [r.rms_error for r in p.noise.table] == [r.rms_error for r in table]  # with the buffers' bytes added
+    assert err.count("the planner's table") == 1 and planner.format_table(p.noise.table, "steps") in err
+    assert [r.step_error for r in p.noise.table] == [r.step_error for r in table]  # with the buffers' bytes added
     assert "MiB per device" in planner.format_table(p.noise.table)
-    assert f"noise mechanism: bandmf b={p.noise.bands}" in err
+    assert "noise mechanism: dpsgd" in err and "the least RMS noise per step" in err
     r = receipt.privacy_receipt(cfg, p, steps=6, epsilon=accountant_epsilon(p, 6), overflowed_steps=0)
     plan = r["noise_plan"]
-    assert plan["chosen"] == f"bandmf b={p.noise.bands}"
+    assert plan["chosen"] == "dpsgd" and plan["rule"].startswith("the least RMS noise of each step's release")
     assert [row["mechanism"] for row in plan["rows"]] == labels
     assert [row["chosen"] for row in plan["rows"]] == [r_ is chosen for r_ in table]
-    assert [row["rms_error"] for row in plan["rows"]] == [r_.rms_error for r_ in table]
+    assert [row["step_rms_error"] for row in plan["rows"]] == [r_.step_error for r_ in table]
     assert "planner" in r["noise_mechanism"]["parameters"]["chosen_by"]
 
 

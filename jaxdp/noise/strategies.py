@@ -111,6 +111,12 @@ def prefix_sum_rms_error(mechanism: Mechanism, steps: int) -> float:
     return math.sqrt(float(np.mean(per_query_error(mechanism, steps))))
 
 
+def step_rms_error(mechanism: Mechanism, steps: int) -> float:
+    """sqrt(mean_t Var((C^{-1} z)_t)) per unit noise: the RMS noise of each step's own release (the identity
+    workload), which an optimiser that normalises each update by its running RMS (Adam) sees. DP-SGD: 1."""
+    return math.sqrt(float(np.mean(np.cumsum(inverse_coefs(mechanism, steps) ** 2))))
+
+
 def max_participations(steps: int, min_sep: int, participations: int | None = None) -> int:
     """The most participations `steps` steps allow at least `min_sep` apart, capped at `participations`."""
     steps, min_sep = _check_steps(steps), operator.index(min_sep)

@@ -18,10 +18,15 @@ streams, how the batches are sampled and what the accountant counts, decided onc
             it, sigma calibrated to the target for that one release; after k steps the accountant counts the
             release of the first k (`MechanismAccounting.prefix_sensitivity`), which the budget stop and a
             resume use.
-  "auto"    the planner's choice (`jaxdp.training.planner.plan`: least expected RMS noise of the prefix sums)
-            among DP-SGD, BandMF b = 2, 4, 8, ... (only b = `config.dp.bands` when it is set) and, where
-            jax_privacy is installed, BLT with `config.dp.blt_buffers` buffers, at the run's (N, batch_size,
-            steps, target epsilon, delta net of the sampling slack).
+  "auto"    the planner's choice (`jaxdp.training.planner.plan`) among DP-SGD, BandMF b = 2, 4, 8, ... (only
+            b = `config.dp.bands` when it is set) and, where jax_privacy is installed, BLT with
+            `config.dp.blt_buffers` buffers, at the run's (N, batch_size, steps, target epsilon, delta net of the
+            sampling slack), by the least RMS noise of each step's release (criterion "steps"): the jobs train
+            with AdamW, which divides each update by the running RMS of the noisy gradients, and at the job's
+            learning rate correlated noise lost to DP-SGD in every regime measured, by about what its larger
+            per-step noise predicts (notebook/2026-11-28-correlated-noise-utility.md); by this criterion DP-SGD
+            wins, and the table shows what each mechanism would give. `bandmf` without bands picks b by the
+            prefix sums' noise (criterion "prefix_sums"), the quantity BandMF is optimised for.
 
 `config.dp.noise_buffer_gb` (None: no limit) is the planner's memory budget: a candidate whose float32
 buffers (`planner.BufferMemory`: buffers x trainable parameters x 4 bytes, split over the data axis under
@@ -64,6 +69,7 @@ class NoiseChoice:
       groups: "blt": the cyclic groups b (the participations' min separation); else 0.
       participations: "blt": the most participations its sensitivity assumes, ceil(steps / groups); else None.
       buffer_bytes: the buffers' bytes per device (`planner.BufferMemory`), when they were counted.
+      criterion: the planner's criterion when it chose (`planner.CRITERIA`).
     """
     kind: str = "dpsgd"
     coefs: tuple[float, ...] = (1.0,)
@@ -73,6 +79,7 @@ class NoiseChoice:
     groups: int = 0
     participations: int | None = None
     buffer_bytes: int | None = dataclasses.field(default=None, compare=False)
+    criterion: str = dataclasses.field(default="prefix_sums", compare=False)
 
     @property
     def bands(self) -> int:
@@ -131,7 +138,9 @@ class NoiseChoice:
         buffers' memory."""
         memory = {} if self.buffer_bytes is None else {"buffer_bytes_per_device": self.buffer_bytes}
         if self.kind == "dpsgd":
-            return {"bands": 1, "note": "C = I: independent noise each step", "buffers_per_parameter": 0, **memory}
+            chosen = {"chosen_by": self.chosen_by} if self.table else {}  # the planner chose it ("auto")
+            return {"bands": 1, "note": "C = I: independent noise each step", "buffers_per_parameter": 0, **memory,
+                    **chosen}
         if self.kind == "blt":
             return {"buffers": self.blt.num_buffers, "buf_decay": list(self.blt.buf_decay),
                     "output_scale": list(self.blt.output_scale), "groups": self.groups,
@@ -249,20 +258,24 @@ def choose(config, population: int, delta_mechanism: float | None,
         candidates = everything if bands is None else [
             planner.Candidate("dpsgd"), planner.Candidate("bandmf", bands),
             *(c for c in everything if c.kind == "blt")]
+    criterion = "steps" if kind == "auto" else "prefix_sums"
     try:
         chosen, table = planner.plan(population, batch, steps, dp.target_epsilon, delta_mechanism, candidates,
-                                     memory=memory)
+                                     memory=memory, criterion=criterion)
     except ValueError as e:  # every candidate skipped (the noise-buffer budget)
         raise ConfigError(f"config.dp.mechanism={kind!r}: {e}") from None
-    how = (f"the planner (config.dp.mechanism={kind!r}"
-           + (f", config.dp.bands={bands}" if bands else "") + "): the least expected RMS prefix-sum noise")
+    how = (f"the planner (config.dp.mechanism={kind!r}" + (f", config.dp.bands={bands}" if bands else "") + "): "
+           + ("the least RMS noise per step, what AdamW sees" if criterion == "steps"
+              else "the least expected RMS prefix-sum noise"))
     nbytes = chosen.buffer_bytes
     if chosen.candidate.kind == "dpsgd":
-        return NoiseChoice(chosen_by=how, table=tuple(table), buffer_bytes=nbytes)
-    if chosen.candidate.kind == "blt":
-        return dataclasses.replace(blt_choice(steps, chosen.mechanism, chosen.run.cycle_length, how, tuple(table)),
-                                   buffer_bytes=nbytes)
-    return NoiseChoice("bandmf", chosen.mechanism.coefs, how, tuple(table), buffer_bytes=nbytes)
+        choice = NoiseChoice(chosen_by=how, table=tuple(table), buffer_bytes=nbytes)
+    elif chosen.candidate.kind == "blt":
+        choice = dataclasses.replace(blt_choice(steps, chosen.mechanism, chosen.run.cycle_length, how, tuple(table)),
+                                     buffer_bytes=nbytes)
+    else:
+        choice = NoiseChoice("bandmf", chosen.mechanism.coefs, how, tuple(table), buffer_bytes=nbytes)
+    return dataclasses.replace(choice, criterion=criterion)
 
 
 def startup_text(p) -> str:
@@ -284,14 +297,15 @@ def startup_text(p) -> str:
     if not choice.table:
         return what
     return (what + "; the planner's table (RMS noise of the prefix sums in units of the clip norm; its sigma at "
-            "a coarse PLD grid, the run calibrates the chosen one at its own):\n" + planner.format_table(choice.table))
+            "a coarse PLD grid, the run calibrates the chosen one at its own; step RMS: each step's own noise):\n"
+            + planner.format_table(choice.table, choice.criterion))
 
 
 def table_record(choice: NoiseChoice) -> list[dict] | None:
     """The planner's table for the receipt: one JSON row per candidate (None when it did not choose)."""
     if not choice.table:
         return None
-    chosen = planner.best(choice.table)
+    chosen = planner.best(choice.table, choice.criterion)
     rows = []
     for r in choice.table:
         row = {"mechanism": r.candidate.label, "chosen": r is chosen}
@@ -301,7 +315,8 @@ def table_record(choice: NoiseChoice) -> list[dict] | None:
             row["skipped"] = r.skipped
         else:
             row.update(sigma=r.sigma, noise_std_per_clip_sensitivity=r.run.noise_std(1.0, r.sigma),
-                       unit_rms_error=r.unit_rms_error, rms_error=r.rms_error, buffers_per_parameter=r.num_buffers,
+                       unit_rms_error=r.unit_rms_error, rms_error=r.rms_error, step_rms_error=r.step_error,
+                       buffers_per_parameter=r.num_buffers,
                        groups=r.run.cycle_length)
         rows.append(row)
     return rows

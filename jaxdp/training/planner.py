@@ -24,11 +24,19 @@ under ZeRO stage >= 2 each device keeps its shard (`shards` devices), else a who
 candidate whose buffers exceed it per device is skipped (its row says so) before it is planned; DP-SGD has
 none and always fits.
 
-The error is the RMS over steps of the noise in the running sum of the updates, the quantity the strategies
-are optimised for (jax_privacy's mean loss); it is a proxy for the trained model's loss, not a measurement of
-it. The chosen row is the least error, ties going to fewer buffers per parameter (each costs a float32 copy
-of the trainable parameters). Strategies are cached per arguments (`jaxdp.noise.strategies`), sigma per
-accountant arguments (`jaxdp.accounting.accountant`), so a second plan with the same inputs is cheap.
+Two errors per row, each a proxy for the trained model's loss, not a measurement of it:
+
+  "prefix_sums"  the RMS over steps of the noise in the running sum of the updates, the quantity the
+                 strategies are optimised for (jax_privacy's mean loss): what SGD-type optimisers accumulate;
+  "steps"        the RMS noise of each step's own release, sigma x strategy sensitivity x
+                 `strategies.step_rms_error`: what an optimiser that divides each update by the running RMS of
+                 the noisy gradients (Adam, the jobs' AdamW) feeds on. Correlated noise spends more noise per
+                 step to cancel it in the sums, so by this error DP-SGD usually wins.
+
+`plan(..., criterion=...)` chooses the least error of one kind, ties going to fewer buffers per parameter
+(each costs a float32 copy of the trainable parameters). Strategies are cached per arguments
+(`jaxdp.noise.strategies`), sigma per accountant arguments (`jaxdp.accounting.accountant`), so a second
+plan with the same inputs is cheap.
 """
 
 from __future__ import annotations
@@ -116,6 +124,7 @@ class PlanRow:
       sigma: the calibrated noise multiplier; noise std = run.noise_std(clip sensitivity, sigma).
       unit_rms_error: `prefix_sum_rms_error(mechanism, steps)` (noise std 1).
       rms_error: sigma x strategy sensitivity x unit_rms_error (units of the clipping sensitivity).
+      step_error: sigma x strategy sensitivity x `strategies.step_rms_error` (same units).
       num_buffers: float32 buffers per trainable parameter.
       buffer_bytes: the buffers' bytes per device (`BufferMemory.bytes_of`), when the memory was given.
     """
@@ -125,6 +134,7 @@ class PlanRow:
     sigma: float | None = None
     unit_rms_error: float | None = None
     rms_error: float | None = None
+    step_error: float | None = None
     num_buffers: int | None = None
     buffer_bytes: int | None = None
     skipped: str | None = None
@@ -169,24 +179,31 @@ def _row(candidate: Candidate, num_units: int, batch: float, steps: int, target_
         run = accounting.MechanismAccounting("blt", steps, batch * min_sep / num_units, min_sep, sensitivity,
                                              participations)
     sigma = accounting.calibrate_for(run, target_epsilon, delta, **options)
-    unit = strategies.prefix_sum_rms_error(mechanism, steps)
-    return PlanRow(candidate, mechanism, run, sigma, unit, run.noise_std(1.0, sigma) * unit, mechanism.num_buffers)
+    unit, std = strategies.prefix_sum_rms_error(mechanism, steps), run.noise_std(1.0, sigma)
+    step = strategies.step_rms_error(mechanism, steps)
+    return PlanRow(candidate, mechanism, run, sigma, unit, std * unit, std * step, mechanism.num_buffers)
 
 
-def best(table: Sequence[PlanRow]) -> PlanRow:
-    """The row with the least rms_error (ties: fewer buffers), skipped rows aside."""
+CRITERIA = ("prefix_sums", "steps")
+
+
+def best(table: Sequence[PlanRow], criterion: str = "prefix_sums") -> PlanRow:
+    """The row with the least error of `criterion` (`CRITERIA`; ties: fewer buffers), skipped rows aside."""
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
     rows = [r for r in table if r.skipped is None]
     if not rows:
         raise ValueError("no candidate could be planned: " + "; ".join(f"{r.candidate.label}: {r.skipped}"
                                                                        for r in table))
-    return min(rows, key=lambda r: (r.rms_error, r.num_buffers))
+    error = (lambda r: r.rms_error) if criterion == "prefix_sums" else (lambda r: r.step_error)
+    return min(rows, key=lambda r: (error(r), r.num_buffers))
 
 
 def plan(num_units: int, expected_batch_size: float, steps: int, target_epsilon: float, delta: float,
          candidates: Sequence[Candidate] | None = None, *, memory: BufferMemory | None = None,
-         value_discretization_interval: float = PLAN_VALUE_DISCRETIZATION_INTERVAL) -> tuple[PlanRow, list[PlanRow]]:
+         criterion: str = "prefix_sums") -> tuple[PlanRow, list[PlanRow]]:
     """(the chosen row, the table): every candidate calibrated to (target_epsilon, delta) at the same
-    expected batch, and its expected RMS prefix-sum error (module docstring).
+    expected batch, and its two errors (module docstring); the chosen row is the least of `criterion`.
 
     Args:
       num_units: N, the privacy units in the data set, >= 1.
@@ -195,7 +212,7 @@ def plan(num_units: int, expected_batch_size: float, steps: int, target_epsilon:
       target_epsilon, delta: the run's budget (delta net of any sampler slack the caller pays).
       candidates: the mechanisms to compare; None: `default_candidates(N, batch, steps)`.
       memory: if given, each row's buffer_bytes per device, and a candidate over its budget is skipped.
-      value_discretization_interval: the PLD grid of the calibrations (PLAN_VALUE_DISCRETIZATION_INTERVAL).
+      criterion: which error chooses (`CRITERIA`, module docstring).
 
     Returns:
       (chosen, table): `best(table)` and the rows in the candidates' order.
@@ -206,7 +223,7 @@ def plan(num_units: int, expected_batch_size: float, steps: int, target_epsilon:
                          f"{num_units!r}, {steps!r}, {expected_batch_size!r}")
     if candidates is None:
         candidates = default_candidates(num_units, expected_batch_size, steps)
-    table, options = [], dict(value_discretization_interval=value_discretization_interval)
+    table, options = [], dict(value_discretization_interval=PLAN_VALUE_DISCRETIZATION_INTERVAL)
     for candidate in candidates:
         if memory is not None and not memory.fits(num_buffers(candidate)):
             nbytes = memory.bytes_of(num_buffers(candidate))
@@ -218,22 +235,24 @@ def plan(num_units: int, expected_batch_size: float, steps: int, target_epsilon:
         if memory is not None and row.num_buffers is not None:
             row = dataclasses.replace(row, buffer_bytes=memory.bytes_of(row.num_buffers))
         table.append(row)
-    return best(table), table
+    return best(table, criterion), table
 
 
-def format_table(table: Sequence[PlanRow]) -> str:
-    """The table as text, one row per candidate, the chosen one marked with '*'."""
-    chosen = best(table) if any(r.skipped is None for r in table) else None
-    lines = [f"  {'mechanism':<16} {'sigma':>8} {'noise std':>9} {'unit RMS':>9} {'RMS error':>10} "
+def format_table(table: Sequence[PlanRow], criterion: str = "prefix_sums") -> str:
+    """The table as text, one row per candidate, the one `criterion` chooses marked with '*'."""
+    chosen = best(table, criterion) if any(r.skipped is None for r in table) else None
+    lines = [f"  {'mechanism':<16} {'sigma':>8} {'noise std':>9} {'unit RMS':>9} {'RMS error':>10} {'step RMS':>9} "
              f"{'buffers':>7} {'groups':>6}  note"]
     for r in table:
         mark = "*" if r is chosen else " "
         if r.skipped is not None:
-            lines.append(f"{mark} {r.candidate.label:<16} {'-':>8} {'-':>9} {'-':>9} {'-':>10} {'-':>7} {'-':>6}  "
+            lines.append(f"{mark} {r.candidate.label:<16} {'-':>8} {'-':>9} {'-':>9} {'-':>10} {'-':>9} {'-':>7} "
+                         f"{'-':>6}  "
                          f"skipped: {r.skipped}")
             continue
         memory = "" if r.buffer_bytes is None else f"buffers {r.buffer_bytes / 2**20:.1f} MiB per device"
         lines.append(f"{mark} {r.candidate.label:<16} {r.sigma:8.4f} {r.run.noise_std(1.0, r.sigma):9.4f} "
-                     f"{r.unit_rms_error:9.4f} {r.rms_error:10.4f} {r.num_buffers:7d} {r.run.cycle_length:6d}  "
+                     f"{r.unit_rms_error:9.4f} {r.rms_error:10.4f} {r.step_error:9.4f} {r.num_buffers:7d} "
+                     f"{r.run.cycle_length:6d}  "
                      f"{memory}")
     return "\n".join(lines)

@@ -293,9 +293,11 @@ def privacy_receipt(config, prepared, *, steps: int, epsilon: float | None,
         if plan is not None:
             receipt["noise_plan"] = {
                 "chosen": planner_label(noise),
-                "rule": "the least expected RMS noise of the released prefix sums (jaxdp.training.planner), each "
-                        "candidate calibrated to the run's target epsilon and delta_mechanism at the same expected "
-                        "batch; sigma here at the planner's PLD grid, the run's own is mechanism.noise_multiplier",
+                "rule": ("the least RMS noise of each step's release (step_rms_error)" if noise.criterion == "steps"
+                         else "the least expected RMS noise of the released prefix sums (rms_error)")
+                        + " (jaxdp.training.planner), each candidate calibrated to the run's target epsilon and "
+                        "delta_mechanism at the same expected batch; sigma here at the planner's PLD grid, the run's "
+                        "own is mechanism.noise_multiplier",
                 "rows": plan}
     return receipt
 
