@@ -10,7 +10,8 @@
 #       dp-accounting==0.6.0 ml-collections==1.1.0
 #   # then one device call per stage, carry=[".whl"]:
 #   bash benchmarks/gpu_session.sh lent          # a 15-minute lease: rates, GPU checks beside every target's compile,
-#                                                # then each target timed alone and profiled (~7 min on an H200)
+#                                                # then each target timed alone and profiled (~7 min on an H200),
+#                                                # then the scanned layout's rows (under 10 min in all)
 #   bash benchmarks/gpu_session.sh compile       # DP vs non-DP compile time, one process at a time; ChaCha20 on the GPU
 #   bash benchmarks/gpu_session.sh check         # rates of this GPU; kernels, DP paths and the clip bound ON THE GPU
 #   bash benchmarks/gpu_session.sh step_b4       # issue 13's targets, GPT-2 small, seq 1024, micro-batch 4
@@ -73,6 +74,7 @@ STEP_METHODS=explicit,ghost,auto,per_layer,pallas_flat,pallas_per_layer
 # auto_merged: auto without jaxdp.clipping.rules.rows_apart (as before 3d602f0), its A/B in the same call.
 TARGETS=small:4:1024:explicit+auto+auto_merged+per_layer+pallas_per_layer,small:16:1024:explicit+auto+per_layer+pallas_per_layer
 TARGETS+=,small:1:16384:explicit+auto,medium:4:1024:explicit+auto+per_layer,medium:16:1024:explicit+auto+auto_merged+per_layer
+SCAN_TARGETS=small:4:1024:auto,medium:4:1024:auto
 CHECKS=(tests/test_pallas_kernels.py tests/test_pallas_fused_clip.py tests/test_norm_rounding.py)
 
 case "${1:-}" in
@@ -83,15 +85,18 @@ case "${1:-}" in
     if [[ -z "${DRY:-}" ]]; then
       (run 240 check python3 -m pytest -q -p no:cacheprovider "${CHECKS[@]}" > /dev/null; touch "$OUT/check.done") &
     fi
-    run 420 steps "${STEP[@]}" --timeout=300 --jobs=8 --wait_for="$OUT/check.done" --configs="$TARGETS" \
+    run 390 steps "${STEP[@]}" --timeout=300 --jobs=8 --wait_for="$OUT/check.done" --configs="$TARGETS" \
       --profile_dir=/tmp/profiles --out="$OUT/steps.json"
     wait
+    # Scanned blocks (issue 39): step time and compile of the stacked layout beside its non-DP step.
+    run 100 scan "${STEP[@]}" --timeout=90 --jobs=4 --layouts=scan --configs="$SCAN_TARGETS" --out="$OUT/scan.json"
     tail -n 3 "$OUT/check.log" 2>/dev/null
     ;;
   compile)
     header
     run 300 compile "${STEP[@]}" --steps=0 --configs=small:4:1024:auto+per_layer,medium:4:1024:auto \
       --out="$OUT/compile.json"
+    run 120 compile_scan "${STEP[@]}" --steps=0 --layouts=scan --configs="$SCAN_TARGETS" --out="$OUT/compile_scan.json"
     run 150 chacha python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_chacha.py
     ;;
   check)
