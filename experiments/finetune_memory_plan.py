@@ -27,8 +27,9 @@ TARGET = flags.DEFINE_string("target", "h100", "GPU to compile for without one; 
 BUDGET_GB = flags.DEFINE_float("budget_gb", 80.0, "bytes per device a step may use, decimal GB")
 REMAT = flags.DEFINE_enum("remat", "none", ["none", "dots", "full"], "per-block activation checkpointing")
 VERIFY = flags.DEFINE_bool("verify", False, "also compile each row's predicted largest micro-batch")
-DEPTH_FIT = flags.DEFINE_list("depth_fit", ["2", "4"], "compile at these two depths and extend the bytes to the "
-                              "model's depth (jaxdp.finetune.memory_plan.PlanSpec.depth_fit); empty: full depth")
+DEPTH_FIT = flags.DEFINE_list("depth_fit", [], "compile at these two depths and extend the bytes to the model's "
+                              "depth (jaxdp.finetune.memory_plan.PlanSpec.depth_fit: an approximation, see there); "
+                              "empty (the default): compile at full depth")
 OUT = flags.DEFINE_string("out", "", "JSON output path (none if empty)")
 
 

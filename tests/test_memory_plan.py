@@ -102,3 +102,15 @@ def test_a_row_that_does_not_fit_says_what_would(monkeypatch):
     full_one = [r for r in rows if r.method == "full" and r.mesh == (1, 1)]
     assert all(r.note == "does not fit one GPU: see the 8-GPU rows" for r in full_one)
     assert [(r.mesh, r.max_batch) for r in rows if r.mesh != (1, 1)] == [((8, 1), 55), ((8, 1), 55)]
+
+
+def test_full_fine_tuning_over_the_budget_by_its_state_alone_is_not_compiled(monkeypatch):
+    """Full fine-tuning's float32 parameters, gradients and Adam moments (16 bytes a parameter) over the budget:
+    the one-GPU row says so without compiling, and the 8-GPU search runs."""
+    state = memory_plan.full_state_gb("llama-tiny", 64, SPEC)
+    monkeypatch.setattr(memory_plan, "one_gpu_gb", lambda *a: pytest.fail("compiled"))
+    monkeypatch.setattr(memory_plan, "mesh_gb", lambda name, step, mesh, spec: state / 8 * step.batch_size)
+    rows = memory_plan.plan_rows("llama-tiny", 64, dataclasses.replace(SPEC, budget_gb=state / 2), methods=("full",),
+                                 log=lambda line: None)
+    assert [(r.mesh, r.max_batch) for r in rows] == [((1, 1), 0), ((1, 1), 0), ((8, 1), 4), ((8, 1), 4)]
+    assert "alone are" in rows[0].note and rows[0].gb_at_1 == pytest.approx(state)
