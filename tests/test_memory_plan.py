@@ -110,7 +110,7 @@ def test_full_fine_tuning_over_the_budget_by_its_state_alone_is_not_compiled(mon
     state = memory_plan.full_state_gb("llama-tiny", 64, SPEC)
     monkeypatch.setattr(memory_plan, "one_gpu_gb", lambda *a: pytest.fail("compiled"))
     monkeypatch.setattr(memory_plan, "mesh_gb", lambda name, step, mesh, spec: state / 8 * step.batch_size)
-    rows = memory_plan.plan_rows("llama-tiny", 64, dataclasses.replace(SPEC, budget_gb=state / 2), methods=("full",),
-                                 log=lambda line: None)
+    spec = dataclasses.replace(SPEC, budget_gb=state / 2 * 1.001)
+    rows = memory_plan.plan_rows("llama-tiny", 64, spec, methods=("full",), log=lambda line: None)
     assert [(r.mesh, r.max_batch) for r in rows] == [((1, 1), 0), ((1, 1), 0), ((8, 1), 4), ((8, 1), 4)]
     assert "alone are" in rows[0].note and rows[0].gb_at_1 == pytest.approx(state)
