@@ -275,8 +275,11 @@ def table(rows: list[PlanRow], budget_gb: float) -> str:
         fmt = lambda r, f: "-" if r is None else f(r)
         ratio = f"{d.gb_at_1 / nd.gb_at_1:.2f}" if d and nd else "-"
         devices = "1" if key[3] == (1, 1) else f"{key[3][0]} x {key[3][1]}"
-        notes = "; ".join(x for x in (fmt(nd, lambda r: r.note and f"non-DP {r.note}"),
-                                      fmt(d, lambda r: r.note and f"DP {r.note}")) if x and x != "-")
+        if d and nd and d.note == nd.note:
+            notes = d.note
+        else:
+            notes = "; ".join(x for x in (fmt(nd, lambda r: r.note and f"non-DP {r.note}"),
+                                          fmt(d, lambda r: r.note and f"DP {r.note}")) if x and x != "-")
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {devices} | {fmt(nd, lambda r: _gb(r.gb_at_1))} | "
                      f"{fmt(d, lambda r: _gb(r.gb_at_1))} | {ratio} | {fmt(nd, lambda r: r.max_batch)} | "
                      f"{fmt(d, lambda r: r.max_batch)} | {notes} |")
