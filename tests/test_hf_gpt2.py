@@ -161,5 +161,6 @@ def test_unsupported_config_is_named(tmp_path, key, value, match):
 
 def test_only_compute_settings_may_be_overridden(tmp_path):
     path = write_checkpoint(tmp_path, random_hf_tensors(seed=6))
-    with pytest.raises(ValueError, match=r"config_overrides may only set \('dtype', 'remat', 'attention'\)"):
+    allowed = r"\('dtype', 'remat', 'attention', 'scan_layers'\)"
+    with pytest.raises(ValueError, match=r"config_overrides may only set " + allowed):
         load_hf_gpt2(path, n_layer=1)
