@@ -67,7 +67,8 @@ def test_llama_mesh_run_equals_single_device(llama_run, corpus, tmp_path):
 
 
 @pytest.mark.parametrize("base,overrides,needle", [
-    (llama_tiny, {"model.family": "gpt3"}, r"config.model.family must be one of \('gpt2', 'llama'\), got 'gpt3'"),
+    (llama_tiny, {"model.family": "gpt3"},
+     r"config.model.family must be one of \('gpt2', 'llama', 'gemma2', 'gemma3_text'\), got 'gpt3'"),
     (default, {"model.family": "llama"}, r"family='llama' needs config.model.\{n_kv_head, d_ff, rope_theta"),
     (llama_tiny, {"model.family": "gpt2"}, r"family='gpt2' needs config.model.\{mlp_ratio\}"),
     (llama_tiny, {"model.n_kv_head": 3}, "divisible by config.model.n_kv_head"),
