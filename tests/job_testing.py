@@ -36,6 +36,22 @@ def write_tiny_corpus(directory: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def write_tiny_hf_tokenizer(corpus: pathlib.Path, directory: pathlib.Path):
+    """A byte-level BPE tokenizer.json (vocabulary 300, <s> and </s>) trained on `corpus`, with its
+    tokenizer_config.json, written into `directory` as HF saves them; returns the tokenizer."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    docs = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    return tok
+
+
 def tiny_config(corpus, workdir, base=default, **overrides):
     """`base.get_config()` (a module of experiments/configs) at the TINY sizes, plus `overrides` ("a__b": a.b)."""
     c = base.get_config()

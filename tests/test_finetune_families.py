@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from dp_testing import random_model
 from flax import nnx
-from job_testing import write_tiny_corpus
+from job_testing import write_tiny_corpus, write_tiny_hf_tokenizer
 
 from experiments.configs import finetune as finetune_config
 from jaxdp import training
@@ -33,18 +33,9 @@ OWN = {"mistral": ("o_proj", "kernel"), "qwen2": ("q_proj", "base", "bias"), "qw
 @pytest.fixture(scope="module")
 def corpus_and_tokenizer(tmp_path_factory):
     """A tiny real-text corpus and a byte-level BPE tokenizer.json trained on it, as HF saves one."""
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
     d = tmp_path_factory.mktemp("corpus")
     corpus = write_tiny_corpus(d)
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    docs = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
-    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    write_tiny_hf_tokenizer(corpus, d)
     return corpus, d
 
 

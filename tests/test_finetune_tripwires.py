@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from dp_testing import random_model, tiny_gpt2, tiny_llama
 from flax import nnx
-from job_testing import with_settings, write_tiny_corpus
+from job_testing import with_settings, write_tiny_corpus, write_tiny_hf_tokenizer
 
 from experiments import finetune as finetune_main
 from experiments.configs import finetune as finetune_config
@@ -131,19 +131,11 @@ SETTINGS = {"seed": 0, "steps": 2, "checkpoint_every": 2, "log_every": 1, "eval_
 @pytest.fixture(scope="module")
 def hf_init(tmp_path_factory):
     """A tiny HF Llama checkpoint with a tokenizer.json trained on a tiny corpus; the corpus."""
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
     d = tmp_path_factory.mktemp("tripwires")
     corpus = write_tiny_corpus(d)
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    docs = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
-    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     hf = d / "llama"
     hf.mkdir()
-    tok.save(str(hf / "tokenizer.json"))
-    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    tok = write_tiny_hf_tokenizer(corpus, hf)
     config = LlamaConfig(vocab_size=tok.get_vocab_size(), seq_len=32, n_layer=1, n_head=2, n_kv_head=1, d_model=16,
                          d_ff=32)
     save_hf(random_model(lambda: Llama(config, rngs=nnx.Rngs(0)), seed=1), hf)
