@@ -46,7 +46,7 @@ from jaxdp.core import nn
 from jaxdp.core import sequence_shards as context
 from jaxdp.models import attention
 from jaxdp.models.llama import apply_rope
-from jaxdp.models.remat import remat_block, remat_policy
+from jaxdp.models.remat import block_apply, remat_policy
 
 FAMILIES = ("gemma2", "gemma3_text")  # `GemmaConfig.family`: the HF model_types of this model
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -227,12 +227,6 @@ class Block(nnx.Module):
         return x_BTD + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x_BTD)))
 
 
-def _block_fn(seq_axis):
-    """`apply(block, x_BTD, positions_T, inv_freq)` with `seq_axis` closed over (nnx.remat takes arrays only)."""
-    def apply(block, x_BTD, positions_T, inv_freq):
-        return block(x_BTD, positions_T, inv_freq, seq_axis)
-    return apply
-
 
 class Gemma(nnx.Module):
     """`Gemma(config, rngs=nnx.Rngs(seed))(tokens_BT) -> logits_BTV` (float32, soft-capped where the config says).
@@ -262,7 +256,7 @@ class Gemma(nnx.Module):
         inv_freq = {kind: rope_frequencies(self.config, kind) for kind in LAYER_TYPES}
         x_BTD = self.embed_tokens(tokens_BT)
         x_BTD = x_BTD * jnp.asarray(math.sqrt(self.config.d_model), x_BTD.dtype)  # sqrt(d) in the compute dtype
-        apply = remat_block(_block_fn(seq_axis), self.config.remat)
+        apply = block_apply(self.config.remat, seq_axis)
         for block in self.blocks:
             x_BTD = apply(block, x_BTD, positions_T, inv_freq[block.layer_type])
         return self.norm(x_BTD)

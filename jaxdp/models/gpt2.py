@@ -26,7 +26,7 @@ from flax import nnx
 from jaxdp.core import layer_scan, nn
 from jaxdp.core import sequence_shards as context
 from jaxdp.models import attention
-from jaxdp.models.remat import remat_block, remat_policy
+from jaxdp.models.remat import block_apply, remat_policy
 
 PRESETS = {
     # name: (n_layer, n_head, d_model)
@@ -126,12 +126,6 @@ class Block(nnx.Module):
         return x_BTD + self.mlp(self.ln_2(x_BTD))
 
 
-def _block_fn(seq_axis):
-    """`apply(block, x_BTD, positions_T)` with `seq_axis` closed over (nnx.remat takes array arguments only)."""
-    def apply(block, x_BTD, positions_T):
-        return block(x_BTD, positions_T, seq_axis)
-    return apply
-
 
 class GPT2(nnx.Module):
     """`GPT2(config, rngs=nnx.Rngs(seed))(tokens_BT) -> logits_BTV` (float32 logits).
@@ -157,7 +151,7 @@ class GPT2(nnx.Module):
     def features(self, tokens_BT: jax.Array, *, seq_axis: str | None = None) -> jax.Array:
         """The head's input (B, T, D): the blocks, then the final norm at the tokens' positions."""
         x_BTD, positions_T = self.embed(tokens_BT, seq_axis=seq_axis)
-        apply = remat_block(_block_fn(seq_axis), self.config.remat)
+        apply = block_apply(self.config.remat, seq_axis)
         if self.config.scan_layers:
             x_BTD = layer_scan.scan_layers(apply, self.blocks, x_BTD, positions_T)
         else:

@@ -43,7 +43,7 @@ from flax import nnx
 from jaxdp.core import layer_scan, nn
 from jaxdp.core import sequence_shards as context
 from jaxdp.models import attention
-from jaxdp.models.remat import remat_block, remat_policy
+from jaxdp.models.remat import block_apply, remat_policy
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # `LlamaConfig.family`: the HF model_types of this model
 PRESETS = {
@@ -219,12 +219,6 @@ class Block(nnx.Module):
         return x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
 
 
-def _block_fn(seq_axis):
-    """`apply(block, x_BTD, positions_T, inv_freq)` with `seq_axis` closed over (nnx.remat takes array arguments only)."""
-    def apply(block, x_BTD, positions_T, inv_freq):
-        return block(x_BTD, positions_T, inv_freq, seq_axis)
-    return apply
-
 
 class Llama(nnx.Module):
     """`Llama(config, rngs=nnx.Rngs(seed))(tokens_BT) -> logits_BTV` (float32 logits).
@@ -255,7 +249,7 @@ class Llama(nnx.Module):
         positions_T = context.seq_offset(T, seq_axis) + jnp.arange(T)
         inv_freq = rope_frequencies(self.config)
         x_BTD = self.embed_tokens(tokens_BT)
-        apply = remat_block(_block_fn(seq_axis), self.config.remat)
+        apply = block_apply(self.config.remat, seq_axis)
         if self.config.scan_layers:
             x_BTD = layer_scan.scan_layers(apply, self.blocks, x_BTD, positions_T, inv_freq)
         else:

@@ -43,3 +43,12 @@ def remat_block(apply_block: Callable, remat: bool | str) -> Callable:
     if policy == "dots":
         return nnx.remat(apply_block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     return nnx.remat(apply_block)
+
+
+def block_apply(remat: bool | str, seq_axis: str | None = None) -> Callable:
+    """`apply(block, *arrays) = block(*arrays, seq_axis)` wrapped by `remat_block`: each model runs its blocks
+    (unrolled, or by `jaxdp.core.layer_scan.scan_layers`) through it. `seq_axis` (a mesh axis name or None) is
+    closed over because `nnx.remat` takes array arguments only."""
+    def apply(block, *arrays):
+        return block(*arrays, seq_axis)
+    return remat_block(apply, remat)
